@@ -1,0 +1,11 @@
+"""tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
+from . import device, eager
+from .config import config
+from .device import DEVICE, DeviceSpec
+from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
+
+eager.install()
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "DEVICE", "DeviceError", "DeviceSpec", "NeuronOutOfMemoryError",
+           "TilewiseError", "config"]

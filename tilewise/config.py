@@ -1,0 +1,121 @@
+"""Every setting of tilewise, and the only module that reads the environment.
+
+Each setting has a default, an optional environment variable and a validator. Values are resolved
+when a run-level object asks for them (importing the device, entering `tilewise.engine()`), never
+per op. `config.patch(...)` overrides settings for a block, for tests and experiments:
+
+    with tilewise.config.patch(mode="compiled", threshold=1): ...
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+MODES = ("eager", "adaptive", "compiled")
+DEVICES = ("trn2", "trn3")
+
+
+def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in allowed:
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        return value.strip().lower()
+
+    return check
+
+
+def _int_at_least(low: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        try:
+            number = int(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or (isinstance(value, float) and not value.is_integer()) or number < low:
+            raise ConfigError(f"{name} must be a whole number >= {low}; got {value!r}")
+        return number
+
+    return check
+
+
+def _optional_path(name: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a directory path or empty; got {value!r}")
+    return os.fspath(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    default: Any
+    env: str | None
+    check: Callable[[str, Any], Any]
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {
+    "mode": Setting("adaptive", "TILEWISE_MODE", _choice(MODES),
+                    "execution mode of tilewise.engine() when none is given"),
+    "threshold": Setting(3, "TILEWISE_THRESHOLD", _int_at_least(1),
+                         "flushes a region must be seen in before adaptive mode compiles it"),
+    "device": Setting("trn2", "TILEWISE_DEVICE", _choice(DEVICES),
+                      "DeviceSpec preset the simulated NeuronCore follows"),
+    "cache_dir": Setting(None, "TILEWISE_CACHE_DIR", _optional_path,
+                         "directory for compiled kernels shared across processes; unset: memory only"),
+    "recompile_limit": Setting(8, "TILEWISE_RECOMPILE_LIMIT", _int_at_least(0),
+                               "compiled mode: signatures per region before it gives up and runs eagerly"),
+    "max_segment_ops": Setting(10_000, "TILEWISE_MAX_SEGMENT_OPS", _int_at_least(1),
+                               "a lazy segment is flushed when it holds this many ops"),
+    "region_cache_size": Setting(256, "TILEWISE_REGION_CACHE_SIZE", _int_at_least(1),
+                                 "compiled regions kept in memory; least recently used are evicted"),
+    "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
+                               "most recent kernels the timeline keeps for trace export"),
+}
+
+
+class _Config:
+    """Attribute access to the settings: `config.mode`, `config.threshold`, ..."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_overrides", {})
+
+    def __getattr__(self, name: str) -> Any:
+        setting = SETTINGS.get(name)
+        if setting is None:
+            raise AttributeError(f"unknown tilewise setting {name!r}; known: {', '.join(SETTINGS)}")
+        if name in self._overrides:
+            return self._overrides[name]
+        raw = os.environ.get(setting.env) if setting.env else None
+        if raw is None or raw == "":
+            return setting.default
+        return setting.check(setting.env, raw)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._overrides[name] = self.validate(name, value)
+
+    def validate(self, name: str, value: Any) -> Any:
+        setting = SETTINGS.get(name)
+        if setting is None:
+            raise ConfigError(f"unknown tilewise setting {name!r}; known: {', '.join(SETTINGS)}")
+        return setting.check(name, value)
+
+    @contextlib.contextmanager
+    def patch(self, **values: Any):
+        checked = {name: self.validate(name, value) for name, value in values.items()}
+        saved = dict(self._overrides)
+        self._overrides.update(checked)
+        try:
+            yield self
+        finally:
+            self._overrides.clear()
+            self._overrides.update(saved)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SETTINGS}
+
+
+config = _Config()

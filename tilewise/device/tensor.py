@@ -1,0 +1,78 @@
+"""NeuronTensor: a tensor on the simulated NeuronCore.
+
+It is a wrapper subclass (no storage of its own) whose `_data` is a host tensor standing for its
+HBM buffer. Views of a NeuronTensor wrap views of `_data`, so aliasing is exactly that of CPU
+tensors. Every aten op on it reaches `__torch_dispatch__`, which hands it to the executor that the
+layer above installs (eager by default); the device layer itself runs nothing.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .runtime import DEVICE
+
+NEURON = torch.device("neuron", 0)
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+class NeuronTensor(torch.Tensor):
+    _data: torch.Tensor
+
+    # Set by tilewise.eager at import: (func, args, kwargs) -> result.
+    _execute: Callable = None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls._execute(func, args, kwargs or {})
+
+    # Dynamo traces a traceable wrapper subclass as itself, with `_data` as its inner tensor.
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return wrap(inner_tensors["_data"])
+
+    def __repr__(self, *, tensor_contents=None):
+        # Format the host copy (one transfer, not one device op per printed element), then say
+        # where the tensor lives, as PyTorch does for CUDA tensors.
+        text = torch._tensor_str._str(self.detach().cpu(), tensor_contents=tensor_contents)
+        device = f", device='{self.device}'"
+        cut = text.find(", dtype=") if ", dtype=" in text else len(text) - 1
+        text = text[:cut] + device + text[cut:]
+        if self.grad_fn is not None:
+            text = text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)"
+        elif self.requires_grad:
+            text = text[:-1] + ", requires_grad=True)"
+        return text
+
+    def __format__(self, format_spec):
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    def __reduce_ex__(self, protocol):
+        # Saved as its host data plus a rebuild call, so checkpoints load without a device build.
+        return _rebuild, (self._data.detach(), self.requires_grad)
+
+
+def wrap(data: torch.Tensor) -> NeuronTensor:
+    """Make the device tensor whose HBM buffer is `data` (a host tensor). Hot path: keep it lean."""
+    _track(data)  # first: an OOM must leave nothing half made
+    tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
+                           storage_offset=data.storage_offset(), dtype=data.dtype, device=NEURON)
+    tensor._data = data
+    return tensor
+
+
+_track = DEVICE.hbm.track
+
+
+def _rebuild(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
+    tensor = wrap(data)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+

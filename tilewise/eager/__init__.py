@@ -1,0 +1,11 @@
+"""Op-by-op execution on the simulated device; also the fallback path of the lazy modes."""
+from . import executor, factories
+from .executor import counters, execute
+
+
+def install() -> None:
+    executor.install()
+    factories.install()
+
+
+__all__ = ["counters", "execute", "install"]

@@ -1,0 +1,169 @@
+"""Eager execution: one aten op on device tensors is one simulated kernel.
+
+The op runs on the host buffers with PyTorch's own CPU kernel; its outputs are wrapped as device
+tensors and the kernel is charged to the cost model. This is also the fallback path of the lazy
+modes, so it is written for host overhead: no pytree, one schema lookup per op (cached), one pass
+over the arguments.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..device.cost import kernel_seconds
+from ..device.runtime import DEVICE
+from ..device.tensor import NEURON, NeuronTensor, wrap
+from ..errors import DeviceError
+from .plan import OpPlan, plan_of
+
+CPU = torch.device("cpu")
+_Tensor = torch.Tensor
+
+
+class Counters:
+    """Plain counters the statistics read; attribute increments are cheap."""
+    ops = 0
+    kernels = 0
+
+
+counters = Counters()
+
+
+def execute(func, args, kwargs):
+    """Run one aten op eagerly. The executor NeuronTensor.__torch_dispatch__ calls."""
+    plan = plan_of(func)
+    traffic = [0, 0]  # [HBM bytes read, largest input numel]
+    host_args = _unwrap(args, plan, traffic)
+    to_host = False
+    if kwargs:
+        kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
+    if plan.metadata_mutating:
+        raise DeviceError(f"{plan.name} changes a tensor's shape in place, which neuron tensors do not "
+                          "support; use the out-of-place form (e.g. reshape, squeeze, t)")
+    out = func(*host_args, **kwargs)
+    counters.ops += 1
+    if plan.aliases is not None:
+        result = _returned_inputs(plan, args, kwargs, out)
+        _check_metadata_unchanged(plan, result, out)
+    elif to_host:
+        result = out
+    else:
+        result = _wrap_outputs(out)
+    if not plan.view:
+        _charge(plan, host_args, kwargs, out, traffic)
+    return result
+
+
+def _unwrap(seq, plan: OpPlan, traffic: list) -> list:
+    host = []
+    for arg in seq:
+        if type(arg) is NeuronTensor:
+            data = arg._data
+            host.append(data)
+            numel = data.numel()
+            traffic[0] += numel * data.element_size()
+            if numel > traffic[1]:
+                traffic[1] = numel
+        elif isinstance(arg, _Tensor):
+            host.append(_host_tensor_arg(arg, plan))
+        elif type(arg) is list or type(arg) is tuple:
+            host.append(_unwrap(arg, plan, traffic))
+        else:
+            host.append(arg)
+    return host
+
+
+def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+    if isinstance(arg, NeuronTensor):  # a subclass of ours (or a Parameter made from one)
+        return arg._data
+    # PyTorch lets a 0-dim CPU tensor stand in for a scalar next to device tensors; so do we.
+    if arg.device.type == "cpu" and (arg.dim() == 0 or plan.cross_device):
+        return arg
+    raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
+                      f"devices, neuron:0 and {arg.device}! (in {plan.name})")
+
+
+def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: list) -> tuple[dict, bool]:
+    host = {}
+    to_host = False
+    for key, value in kwargs.items():
+        if key == "device" and value is not None:
+            to_host = check_device(value).type == "cpu"
+            value = CPU
+        elif isinstance(value, _Tensor):
+            value = _unwrap((value,), plan, traffic)[0]
+        elif type(value) is list or type(value) is tuple:
+            value = _unwrap(value, plan, traffic)
+        host[key] = value
+    return host, to_host
+
+
+def check_device(device) -> torch.device:
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type == "neuron" and device.index not in (None, 0):
+        raise DeviceError(f"{device} does not exist: tilewise simulates one NeuronCore, "
+                          f"neuron:0 (torch.neuron.device_count() == 1)")
+    return device
+
+
+def _wrap_outputs(out):
+    if isinstance(out, _Tensor):
+        return wrap(out)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(wrap(o) if isinstance(o, _Tensor) else o for o in out)
+    return out
+
+
+def _returned_inputs(plan: OpPlan, args, kwargs, out):
+    """A mutating op returns the very tensors it wrote to, as PyTorch does."""
+    picked = [args[source] if isinstance(source, int) else kwargs[source] if source is not None else None
+              for source in plan.aliases]
+    if len(picked) == 1:
+        return picked[0] if picked[0] is not None else _wrap_outputs(out)
+    return tuple(p if p is not None else _wrap_outputs(o) for p, o in zip(picked, out))
+
+
+def _check_metadata_unchanged(plan: OpPlan, result, out) -> None:
+    # An out= argument of the wrong shape is resized by the CPU kernel; the wrapper cannot follow.
+    first = result[0] if type(result) is tuple else result
+    if isinstance(first, NeuronTensor) and first.shape != first._data.shape:
+        raise DeviceError(f"{plan.name}: out= tensors on neuron must already have the result's shape "
+                          f"{tuple(first._data.shape)}; got {tuple(first.shape)}")
+
+
+def _charge(plan: OpPlan, host_args, kwargs, out, traffic: list) -> None:
+    # Ops without returns (the in-place _foreach_ family) write their first argument.
+    written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
+    if dtype is None:
+        return  # nothing computed on the device (e.g. a scalar read), no kernel
+    flops = 0
+    if plan.flops is not None:
+        flops = int(plan.flops(*host_args, **kwargs, out_val=out))
+        work = flops
+    else:
+        work = max(out_numel, traffic[1])
+    spec = DEVICE.spec
+    hbm_bytes = traffic[0] + written
+    DEVICE.timeline.record(plan.name, plan.engine, kernel_seconds(spec, plan.engine, hbm_bytes, work, dtype),
+                           hbm_bytes, flops)
+    counters.kernels += 1
+
+
+def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
+    if isinstance(out, _Tensor):
+        numel = out.numel()
+        return numel * out.element_size(), numel, out.dtype
+    if type(out) is tuple or type(out) is list:
+        written = numel = 0
+        dtype = None
+        for o in out:
+            if isinstance(o, _Tensor):
+                n = o.numel()
+                written += n * o.element_size()
+                numel = max(numel, n)
+                dtype = dtype or o.dtype
+        return written, numel, dtype
+    return 0, 0, None
+
+
+def install() -> None:
+    NeuronTensor._execute = staticmethod(execute)

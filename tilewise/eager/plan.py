@@ -1,0 +1,69 @@
+"""What the executor needs to know about an aten op, read once from its schema and cached."""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from ..device.cost import engine_of
+
+# In-place ops that change a tensor's shape or strides: a wrapper tensor's metadata is fixed at
+# creation, so these cannot be mirrored on the device tensor. Users get the functional form.
+METADATA_MUTATING = frozenset({
+    "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
+    "swapdims_", "swapaxes_",
+})
+
+# Ops whose whole point is to move data between host and device.
+CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
+
+
+class OpPlan(NamedTuple):
+    name: str                      # overload packet name, e.g. "add"
+    view: bool                     # returns views of an input: no kernel, no new memory
+    aliases: tuple | None          # mutating op: per return, the arg index or kwarg name it returns
+    engine: str                    # engine the cost model charges
+    flops: Callable | None         # PyTorch's flop formula, where one exists
+    cross_device: bool             # host tensors of any size are legal arguments
+    metadata_mutating: bool
+
+
+_plans: dict = {}
+
+
+def plan_of(func) -> OpPlan:
+    plan = _plans.get(func)
+    if plan is None:
+        plan = _plans[func] = _make_plan(func)
+    return plan
+
+
+def _make_plan(func) -> OpPlan:
+    schema = func._schema
+    name = func._overloadpacket.__name__
+    written_by_set = {}
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written_by_set[frozenset(arg.alias_info.before_set)] = arg.name if arg.kwarg_only else index
+    returned_writes = [
+        written_by_set.get(frozenset(ret.alias_info.before_set))
+        if ret.alias_info is not None and ret.alias_info.is_write else None
+        for ret in schema.returns
+    ]
+    mutating = any(source is not None for source in returned_writes)
+    view = not mutating and any(ret.alias_info is not None for ret in schema.returns)
+    flops = flop_registry.get(func._overloadpacket)
+    return OpPlan(
+        name=name,
+        view=view,
+        aliases=tuple(returned_writes) if mutating else None,
+        engine=engine_of(name, flops is not None),
+        flops=flops,
+        cross_device=name in CROSS_DEVICE,
+        metadata_mutating=name in METADATA_MUTATING,
+    )
+
+
+def is_random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
