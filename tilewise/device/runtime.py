@@ -12,8 +12,10 @@ class Device:
         self.spec = spec
         self.hbm = HBM(spec.hbm_bytes, spec.name)
         self.timeline = Timeline(config.timeline_events)
-        # Called by synchronize(): the lazy engine registers its flush here.
+        # Called by synchronize(): the lazy engine registers its flush here, and raises the flag
+        # while it holds deferred work, so that every eager op computes that work first.
         self.sync_hooks: list = []
+        self.lazy_pending = False
 
     def synchronize(self) -> None:
         for hook in list(self.sync_hooks):

@@ -53,6 +53,17 @@ class NeuronTensor(torch.Tensor):
             return self.item().__format__(format_spec)
         return object.__format__(self, format_spec)
 
+    # PyTorch refuses these for every tensor subclass; answer them from the host copy as a read
+    # of device memory, the way CUDA tensors do (.tolist() copies, .numpy() asks for .cpu()).
+    def tolist(self):
+        return self.detach().cpu().tolist()
+
+    def numpy(self, *, force: bool = False):
+        if force:
+            return self.detach().cpu().numpy(force=True)
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. "
+                        "Use Tensor.cpu() to copy the tensor to host memory first.")
+
     def __reduce_ex__(self, protocol):
         # Saved as its host data plus a rebuild call, so checkpoints load without a device build.
         return _rebuild, (self._data.detach(), self.requires_grad)

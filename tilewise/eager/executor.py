@@ -29,21 +29,29 @@ counters = Counters()
 
 
 def execute(func, args, kwargs):
-    """Run one aten op eagerly. The executor NeuronTensor.__torch_dispatch__ calls."""
+    """Run one aten op eagerly. The executor NeuronTensor.__torch_dispatch__ calls.
+
+    Pending lazy work is computed first: an eager op may read what the lazy engine deferred (from a
+    thread outside the engine's block, or as the engine's own fallback).
+    """
+    if DEVICE.lazy_pending:
+        DEVICE.synchronize()
+    return run(func, args, kwargs)
+
+
+def run(func, args, kwargs):
+    """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
     plan = plan_of(func)
     traffic = [0, 0]  # [HBM bytes read, largest input numel]
     host_args = _unwrap(args, plan, traffic)
     to_host = False
     if kwargs:
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
-    if plan.metadata_mutating:
-        raise DeviceError(f"{plan.name} changes a tensor's shape in place, which neuron tensors do not "
-                          "support; use the out-of-place form (e.g. reshape, squeeze, t)")
     out = func(*host_args, **kwargs)
     counters.ops += 1
     if plan.aliases is not None:
         result = _returned_inputs(plan, args, kwargs, out)
-        _check_metadata_unchanged(plan, result, out)
+        _follow_host_metadata(plan, result)
     elif to_host:
         result = out
     else:
@@ -51,6 +59,28 @@ def execute(func, args, kwargs):
     if not plan.view:
         _charge(plan, host_args, kwargs, out, traffic)
     return result
+
+
+def run_host(func, host_args, host_kwargs):
+    """Run one aten op on host buffers and charge it as one kernel: the lazy engine's replay."""
+    plan = plan_of(func)
+    out = func(*host_args, **host_kwargs)
+    counters.ops += 1
+    if not plan.view:
+        traffic = [0, 0]
+        _measure(host_args, traffic)
+        _charge(plan, host_args, host_kwargs, out, traffic)
+    return out
+
+
+def _measure(values, traffic: list) -> None:
+    for value in values:
+        if isinstance(value, _Tensor):
+            numel = value.numel()
+            traffic[0] += numel * value.element_size()
+            traffic[1] = max(traffic[1], numel)
+        elif type(value) is list or type(value) is tuple:
+            _measure(value, traffic)
 
 
 def _unwrap(seq, plan: OpPlan, traffic: list) -> list:
@@ -122,12 +152,29 @@ def _returned_inputs(plan: OpPlan, args, kwargs, out):
     return tuple(p if p is not None else _wrap_outputs(o) for p, o in zip(picked, out))
 
 
-def _check_metadata_unchanged(plan: OpPlan, result, out) -> None:
-    # An out= argument of the wrong shape is resized by the CPU kernel; the wrapper cannot follow.
-    first = result[0] if type(result) is tuple else result
-    if isinstance(first, NeuronTensor) and first.shape != first._data.shape:
-        raise DeviceError(f"{plan.name}: out= tensors on neuron must already have the result's shape "
-                          f"{tuple(first._data.shape)}; got {tuple(first.shape)}")
+def _follow_host_metadata(plan: OpPlan, result) -> None:
+    """In-place shape changes (squeeze_, resize_, set_, an out= of the wrong size) ran on the host
+    buffer; give the device tensor the same size, strides and offset."""
+    for tensor in result if type(result) is tuple else (result,):
+        if isinstance(tensor, NeuronTensor) and (plan.metadata_mutating or tensor.shape != tensor._data.shape):
+            _restride(tensor)
+
+
+def _restride(tensor: NeuronTensor) -> None:
+    data = tensor._data
+    DEVICE.hbm.track(data)  # resize_ and set_ may have put it on another host storage
+    try:
+        # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that.
+        with torch._C._DisableTorchDispatch():
+            torch.ops.aten.as_strided_(tensor, data.size(), data.stride(), data.storage_offset())
+    except RuntimeError:
+        # Grown past the extent the wrapper was made with: it takes over a fresh wrapper's
+        # TensorImpl. Autograd refuses to resize tensors that require grad, so none is lost.
+        try:
+            torch.utils.swap_tensors(tensor, wrap(data))
+        except RuntimeError as error:
+            raise DeviceError(f"cannot grow a neuron tensor in place to {tuple(data.shape)} while it is "
+                              f"referenced elsewhere ({error}); use the out-of-place form") from None
 
 
 def _charge(plan: OpPlan, host_args, kwargs, out, traffic: list) -> None:

@@ -8,21 +8,24 @@ from torch.utils.flop_counter import flop_registry
 
 from ..device.cost import engine_of
 
-# In-place ops that change a tensor's shape or strides: a wrapper tensor's metadata is fixed at
-# creation, so these cannot be mirrored on the device tensor. Users get the functional form.
+# In-place ops that change a tensor's shape or strides (besides those tagged inplace_view): they
+# run on the host buffer and the device tensor then takes the buffer's new metadata.
 METADATA_MUTATING = frozenset({
     "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
     "swapdims_", "swapaxes_",
 })
 
 # Ops whose whole point is to move data between host and device.
-CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
+# tensor_split takes its split points as a host tensor, as on CUDA.
+CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to",
+                          "tensor_split"})
 
 
 class OpPlan(NamedTuple):
     name: str                      # overload packet name, e.g. "add"
     view: bool                     # returns views of an input: no kernel, no new memory
     aliases: tuple | None          # mutating op: per return, the arg index or kwarg name it returns
+    mutates: bool                  # writes to at least one of its arguments
     engine: str                    # engine the cost model charges
     flops: Callable | None         # PyTorch's flop formula, where one exists
     cross_device: bool             # host tensors of any size are legal arguments
@@ -58,10 +61,11 @@ def _make_plan(func) -> OpPlan:
         name=name,
         view=view,
         aliases=tuple(returned_writes) if mutating else None,
+        mutates=bool(written_by_set),
         engine=engine_of(name, flops is not None),
         flops=flops,
         cross_device=name in CROSS_DEVICE,
-        metadata_mutating=name in METADATA_MUTATING,
+        metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
     )
 
 

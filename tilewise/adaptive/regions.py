@@ -1,0 +1,153 @@
+"""A region of a segment: its exact key, its FX graph, and how to run its compiled form.
+
+The key is the region's ops in stream order with every tensor input described by its metadata and
+by where it comes from (a region input, or the output of an earlier region node), plus which
+inputs share storage and which values leave the region. Two regions with equal keys compute the
+same thing, so a dict keyed by it is the cache: hashing finds the entry, equality confirms it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..device.runtime import DEVICE
+
+from .segment import FUNCTIONAL, VIEW, Node, Segment
+
+
+@dataclass
+class Region:
+    """One region of one flushed segment, located by node indices of that segment."""
+    nodes: list[int]
+    inputs: list[tuple[int, int]]          # (node index, flat tensor position) of each region input
+    outputs: list[tuple[int, int]]         # (node index, output index) of values that leave
+    hidden: list[tuple[int, int]]          # values that must not be alive at a cache hit
+    key: tuple = field(repr=False, default=())
+
+
+def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]]) -> Region:
+    """Locate the region's inputs and outputs and build its exact key."""
+    inside = set(members)
+    position = {n: p for p, n in enumerate(members)}
+    inputs: list[tuple[int, int]] = []
+    input_ids: dict[int, int] = {}
+    key_nodes = []
+    for n in members:
+        node = segment.nodes[n]
+        sources = []
+        for flat, tensor in enumerate(node.inputs):
+            source = segment.source_of(tensor)
+            if source is not None and source[0] in inside:
+                sources.append(("r", position[source[0]], source[1]))
+                continue
+            slot = input_ids.get(id(tensor))
+            if slot is None:
+                slot = input_ids[id(tensor)] = len(inputs)
+                inputs.append((n, flat))
+            sources.append(("in", slot))
+        key_nodes.append((node.local[0], _strip_sources(node.local[1:]), tuple(sources)))
+    outputs = sorted(v for v in needed if v[0] in inside)
+    exported = set(outputs)
+    hidden = [(n, o) for n in members for o in range(len(segment.nodes[n].wrappers or ()))
+              if not _exported(segment, (n, o), exported)]
+    input_tensors = [segment.nodes[n].inputs[f] for n, f in inputs]
+    key = (tuple(key_nodes), alias_signature(input_tensors),
+           tuple((position[n], o) for n, o in outputs))
+    return Region(members, inputs, outputs, hidden, key)
+
+
+def _strip_sources(local_tail: tuple) -> tuple:
+    """The node's local description without segment-relative producer distances."""
+    def strip(entry):
+        if type(entry) is tuple and len(entry) == 5 and isinstance(entry[3], torch.dtype):
+            return entry[:4]
+        if type(entry) is tuple:
+            return tuple(strip(e) for e in entry)
+        return entry
+    return strip(local_tail)
+
+
+def _exported(segment: Segment, value: tuple[int, int], outputs: set) -> bool:
+    """Whether the value reaches memory: a kernel output, or a view of an input or of one."""
+    node = segment.nodes[value[0]]
+    if node.kind == FUNCTIONAL:
+        return value in outputs
+    root = node.roots[value[1]]
+    return root is None or root in outputs
+
+
+def alias_signature(tensors: list[torch.Tensor]) -> tuple:
+    first_of: dict[int, int] = {}
+    return tuple(first_of.setdefault(t.untyped_storage()._cdata, i) if isinstance(t, torch.Tensor) else -1
+                 for i, t in enumerate(tensors))
+
+
+def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
+    """The region as an FX graph of aten ops: placeholders are its inputs, outputs what leaves."""
+    graph = torch.fx.Graph()
+    by_id: dict[int, torch.fx.Node] = {}
+    for slot, (n, flat) in enumerate(region.inputs):
+        by_id[id(segment.nodes[n].inputs[flat])] = graph.placeholder(f"in{slot}")
+    values: dict[tuple[int, int], torch.fx.Node] = {}
+    for n in region.nodes:
+        node = segment.nodes[n]
+        lookup = lambda t: _fx_value(segment, t, values, by_id)  # noqa: E731
+        call = graph.call_function(node.func, _map(node.args, lookup), _map_kw(node.kwargs, lookup))
+        outs = node.outs or ()
+        if len(outs) == 1 and not isinstance(node.func._schema.returns[0].type, torch.ListType) \
+                and len(node.func._schema.returns) == 1:
+            values[(n, 0)] = call
+        else:
+            for o in range(len(outs)):
+                values[(n, o)] = graph.call_function(operator.getitem, (call, o))
+    graph.output(tuple(values[v] for v in region.outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _fx_value(segment: Segment, tensor, values, by_id):
+    source = segment.source_of(tensor)
+    if source is not None and source in values:
+        return values[source]
+    return by_id[id(tensor)]
+
+
+def _map(args, lookup):
+    return tuple(_map_one(a, lookup) for a in args)
+
+
+def _map_kw(kwargs, lookup):
+    return {k: _map_one(v, lookup) for k, v in kwargs.items()}
+
+
+def _map_one(value, lookup):
+    if isinstance(value, (torch.Tensor, float)):
+        return lookup(value)
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_map_one(v, lookup) for v in value)
+    return value
+
+
+class CompiledEntry:
+    """A compiled region in the cache: runs it on this flush's buffers and charges its kernels."""
+
+    def __init__(self, compiled, region: Region, compile_seconds: float, name: str):
+        self.compiled = compiled
+        self.name = name
+        self.ops = len(region.nodes)
+        self.compile_seconds = compile_seconds
+        self.runs = 0
+        self.kernels = len(compiled.cost)
+        self.seconds = sum(cost[2] for cost in compiled.cost)
+
+    def run(self, segment: Segment, region: Region) -> None:
+        inputs = [segment.nodes[n].inputs[f] for n, f in region.inputs]
+        results = self.compiled.run(*inputs)
+        for (n, o), value in zip(region.outputs, results):
+            segment.nodes[n].outs[o].copy_(value)
+        record = DEVICE.timeline.record
+        for kernel_name, engine, seconds, hbm_bytes, flops in self.compiled.cost:
+            record(kernel_name, engine, seconds, hbm_bytes, flops, self.name)
+        self.runs += 1

@@ -1,0 +1,301 @@
+"""The engine's runtime: what to do with each op, and what to do with a segment at a flush.
+
+Per op (`dispatch`): record it lazily, or, when it reads data or its outputs' shapes depend on data,
+flush and run it eagerly; random ops run at once so random numbers come in eager's order.
+
+Per flush, the whole policy:
+    segment seen before with every node stable and compiled -> replay its plan (guards first)
+    otherwise: count fingerprints; stable nodes = seen in >= threshold flushes (all, in compiled
+    mode); cut them into convex regions; compile or fetch each region; run regions and the
+    dynamic nodes between them in a valid order; keep the plan once nothing is left to warm up.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from ..config import config
+from ..device.runtime import DEVICE
+from ..eager.executor import execute, run, run_host
+from ..eager.plan import is_random, plan_of
+from . import analysis
+from .regions import CompiledEntry, Region, alias_signature, build_graph, describe
+from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable
+from .stats import RegionStats, Stats
+
+aten = torch.ops.aten
+_READS_DATA = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+_FAILED = "failed"
+# Eager for a reason that is no fallback: data crossing between host and device.
+_TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
+
+
+class Runtime:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.segment = Segment()
+        self.meta_cache: dict = {}
+        self.seen: collections.Counter = collections.Counter()
+        self.plans: collections.OrderedDict = collections.OrderedDict()
+        self.regions: collections.OrderedDict = collections.OrderedDict()
+        self.sites: collections.Counter = collections.Counter()   # compiled mode: signatures per site
+        self.stats = Stats()
+        self.mode = "adaptive"
+        self.threshold = 3
+        self._flushing = False
+        DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
+
+    # -- per op ---------------------------------------------------------------------------------
+    def create(self, func, args, kwargs):
+        """Factories and uploads: they write a fresh buffer from host data, so they run now."""
+        self.stats.ops_seen += 1
+        self.stats.transfers += 1
+        return run(func, args, kwargs)
+
+    def dispatch(self, func, args, kwargs):
+        with self.lock:
+            self.stats.ops_seen += 1
+            reason = _eager_reason(func, kwargs)
+            if reason is None and is_random(func):
+                return self._random(func, args, kwargs)
+            if reason is None:
+                try:
+                    result = self.segment.record(func, args, kwargs, self.meta_cache)
+                except Unrecordable as why:
+                    reason = why.reason
+                else:
+                    DEVICE.lazy_pending = True
+                    if len(self.segment) >= config.max_segment_ops:
+                        self.flush("segment size bound")
+                    return result
+            self.flush(reason)
+            if reason in _TRANSFERS:
+                self.stats.transfers += 1
+            else:
+                self.stats.ops_eager += 1
+                self.stats.fallback(plan_of(func).name, reason)
+            return execute(func, args, kwargs)
+
+    def _random(self, func, args, kwargs):
+        """Random ops draw now, in eager's order; what they read must be computed already."""
+        plan = plan_of(func)
+        pending = any(self.segment.is_pending(t._data) for t in _device_tensors(args))
+        if func is aten.native_dropout.default and pending and _is_training_dropout(args):
+            return self._dropout(*args[:2])
+        if pending or plan.mutates:
+            self.flush("random op reads pending data")
+        self.stats.random_draws += 1
+        return run(func, args, kwargs)
+
+    def _dropout(self, x, p):
+        """native_dropout as the CPU kernel computes it: the mask now, the products lazily."""
+        keep = 1.0 - p
+        mask = run(aten.empty_like.default, (x,), {"memory_format": torch.contiguous_format})
+        run(aten.bernoulli_.float, (mask, keep), {})
+        self.stats.random_draws += 2
+        out = self.dispatch(aten.mul.Tensor, (x, mask), {})
+        out = self.dispatch(aten.mul_.Scalar, (out, 1.0 / keep), {})
+        return out, self.dispatch(aten._to_copy.default, (mask,), {"dtype": torch.bool})
+
+    # -- per flush ------------------------------------------------------------------------------
+    def flush(self, reason: str) -> None:
+        with self.lock:
+            segment = self.segment
+            if not segment.nodes or self._flushing:
+                return
+            self.segment = Segment()
+            DEVICE.lazy_pending = False
+            self._flushing = True
+            try:
+                self.stats.segments += 1
+                self.stats.flush_reasons[reason] += 1
+                self._run_segment(segment)
+            finally:
+                self._flushing = False
+
+    def _run_segment(self, segment: Segment) -> None:
+        key = (tuple(n.local for n in segment.nodes), alias_signature(segment.externals))
+        steps = self.plans.get(key)
+        if steps is not None:
+            missed = self._guard_miss(segment, steps)
+            if missed is None:
+                self.plans.move_to_end(key)
+                return self._run_steps(segment, steps)
+            self._forget(key, segment, steps, missed)
+            return self._run_steps(segment, [("node", i) for i in range(len(segment.nodes))])
+        steps, final = self._plan(segment)
+        if final:
+            self.plans[key] = steps
+            if len(self.plans) > config.region_cache_size:
+                self.plans.popitem(last=False)
+        self._run_steps(segment, steps)
+
+    def _plan(self, segment: Segment):
+        nodes = segment.nodes
+        for fp in {n.fp for n in nodes}:
+            self.seen[fp] += 1
+        compiling = self.mode != "eager"
+        threshold = 1 if self.mode == "compiled" else self.threshold
+        stable = {i for i, n in enumerate(nodes) if compiling and self.seen[n.fp] >= threshold}
+        graph = analysis.dataflow_graph(nodes)
+        members = analysis.find_regions(graph, stable) if stable else []
+        order = analysis.execution_order(graph, members, len(nodes))
+        needed = _needed_values(segment, graph, members)
+        steps, final = [], len(stable) == len(nodes)
+        for kind, what in order:
+            if kind == "node":
+                steps.append(("node", what))
+                continue
+            region = describe(segment, members[what], needed)
+            entry = self._entry(segment, region)
+            if entry is None:
+                final = False
+                steps.extend(("node", i) for i in region.nodes)
+            else:
+                steps.append(("region", (region, entry)))
+        self.stats.regions_found += len(members)
+        return steps, final
+
+    def _entry(self, segment: Segment, region: Region):
+        entry = self.regions.get(region.key)
+        if entry is _FAILED:
+            return None
+        if entry is not None:
+            self.regions.move_to_end(region.key)
+            return entry
+        self.stats.cache_misses += 1
+        if self.mode == "compiled":
+            site = tuple(segment.nodes[n].func for n in region.nodes)
+            self.sites[site] += 1
+            if self.sites[site] > 1:
+                self.stats.recompiles += 1
+            if self.sites[site] > config.recompile_limit + 1:
+                self.stats.fallback("<region>", f"recompile limit ({config.recompile_limit}) reached",
+                                    len(region.nodes), source=False)
+                return None
+        return self._compile(segment, region)
+
+    def _compile(self, segment: Segment, region: Region):
+        from ..compiler import compile_graph  # the compiler layer sits below; imported on first use
+
+        name = f"region{len(self.stats.regions) + 1}"
+        started = time.perf_counter()
+        try:
+            gm = build_graph(segment, region)
+            inputs = [segment.nodes[n].inputs[f] for n, f in region.inputs]
+            compiled = compile_graph(gm, inputs, DEVICE.spec, name=name)
+        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
+            self.regions[region.key] = _FAILED
+            self.stats.fallback("<region>", f"compile failed: {type(error).__name__}: {error}"[:120],
+                                len(region.nodes), source=False)
+            return None
+        seconds = time.perf_counter() - started
+        entry = CompiledEntry(compiled, region, seconds, name)
+        self.regions[region.key] = entry
+        if len(self.regions) > config.region_cache_size:
+            self.regions.popitem(last=False)
+        self.stats.compiles += 1
+        self.stats.compile_seconds += seconds
+        self.stats.regions[name] = RegionStats(name, len(region.nodes), seconds,
+                                               refused=list(getattr(compiled, "refused", []))[:20])
+        return entry
+
+    def _guard_miss(self, segment: Segment, steps) -> str | None:
+        for kind, what in steps:
+            if kind == "region":
+                region = what[0]
+                for n, o in region.hidden:
+                    if segment.nodes[n].wrappers[o]() is not None:
+                        return "an intermediate the kernel keeps on chip is still referenced"
+        return None
+
+    def _forget(self, key, segment: Segment, steps, reason: str) -> None:
+        """A guard missed: run eagerly this time and let the regions warm up again."""
+        del self.plans[key]
+        self.stats.guard_misses[reason] += 1
+        for kind, what in steps:
+            if kind == "region":
+                region, entry = what
+                self.regions.pop(region.key, None)
+                self.stats.regions.get(entry.name, entry).misses += 1
+                for n in region.nodes:
+                    self.seen[segment.nodes[n].fp] = 0
+
+    def _run_steps(self, segment: Segment, steps) -> None:
+        nodes = segment.nodes
+        for kind, what in steps:
+            if kind == "node":
+                _replay(nodes[what])
+                self.stats.ops_eager += 1
+                continue
+            region, entry = what
+            entry.run(segment, region)
+            self.stats.ops_compiled += len(region.nodes)
+            self.stats.cache_hits += entry.runs > 1
+            detail = self.stats.regions.get(entry.name)
+            if detail is not None:
+                detail.hits += entry.runs > 1
+                detail.kernels = entry.kernels
+                detail.simulated_seconds += entry.seconds
+
+
+def _replay(node) -> None:
+    if node.kind == VIEW:
+        return  # taken on the real buffers at record time
+    out = run_host(node.func, node.args, node.kwargs)
+    if node.kind == FUNCTIONAL:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for buffer, value in zip(node.outs, outs):
+            buffer.copy_(value)
+
+
+def _needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
+    """Functional outputs that must reach their buffers: used outside their region, or alive."""
+    group = {n: r for r, region in enumerate(members) for n in region}
+    needed = set()
+    for index, node in enumerate(segment.nodes):
+        for source in node.srcs:
+            if group.get(source[0], ("node", source[0])) != group.get(index, ("node", index)):
+                needed.add(_root(segment, source))
+        for out_index, ref in enumerate(node.wrappers or ()):
+            if ref() is not None:
+                needed.add(_root(segment, (index, out_index)))
+    needed.discard(None)
+    return needed
+
+
+def _root(segment: Segment, value):
+    node = segment.nodes[value[0]]
+    if node.kind == VIEW:
+        return node.roots[value[1]]
+    return value
+
+
+def _eager_reason(func, kwargs) -> str | None:
+    tags = func.tags
+    if torch.Tag.dynamic_output_shape in tags:
+        return "data-dependent output shape"
+    if torch.Tag.data_dependent_output in tags:
+        return "reads device data on the host"
+    device = kwargs.get("device") if kwargs else None
+    if device is not None and torch.device(device).type == "cpu":
+        return "copy to host"
+    return None
+
+
+def _device_tensors(values):
+    from ..device.tensor import NeuronTensor
+    for value in values:
+        if isinstance(value, NeuronTensor):
+            yield value
+        elif type(value) is list or type(value) is tuple:
+            yield from _device_tensors(value)
+
+
+def _is_training_dropout(args) -> bool:
+    x, p, train = args[0], args[1], args[2] if len(args) > 2 else True
+    return bool(train) and 0.0 < p < 1.0 and x.numel() > 0
+

@@ -1,0 +1,218 @@
+"""The lazy segment: ops on device tensors recorded in stream order, computed later.
+
+Every recorded output gets its real host buffer at record time (shape and strides from the op's
+meta kernel, cached per signature) and only the computation is deferred. Views are taken at once
+on the real buffers, so aliasing, in-place ops through views and storage sharing are exactly those
+of eager; the program cannot tell, as long as every read of data flushes first.
+
+Each node carries `local`, an exact hashable description of the op and of where its tensor inputs
+come from (their metadata, and the distance back to the producing node, or "external"), and `fp`,
+its fingerprint: `local` combined with the fingerprints of its producers, so it names the same
+computation wherever it appears in a segment.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..device.tensor import NeuronTensor, wrap
+from ..eager.plan import OpPlan, plan_of
+from ..errors import TilewiseError
+
+EXTERNAL = ("x",)
+FLOAT = ("float",)
+VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
+
+
+class Unrecordable(TilewiseError):
+    """This op cannot be deferred; the tracer runs it eagerly. `reason` is the typed reason."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Node:
+    __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
+                 "roots", "srcs", "inputs")
+
+    def __repr__(self):
+        return f"Node({self.plan.name}, {self.kind})"
+
+
+class Segment:
+    def __init__(self):
+        self.nodes: list[Node] = []
+        # id(host tensor) -> (node index, output index, fingerprint); host tensors of nodes are
+        # kept alive by the nodes, so ids are stable for the life of the segment.
+        self._values: dict[int, tuple[int, int, int]] = {}
+        self.externals: list[torch.Tensor] = []
+        self._external_ids: dict[int, int] = {}
+        # storages of external tensors that recorded in-place ops write
+        self.written_storages: set[int] = set()
+
+    def __len__(self):
+        return len(self.nodes)
+
+    def source_of(self, host_tensor) -> tuple[int, int] | None:
+        value = self._values.get(id(host_tensor))
+        return value[:2] if value is not None else None
+
+    def is_pending(self, host_tensor) -> bool:
+        """Whether a recorded, not yet computed op writes this tensor's memory."""
+        return id(host_tensor) in self._values or \
+            host_tensor.untyped_storage()._cdata in self.written_storages
+
+    def record(self, func, args, kwargs, meta_cache: dict):
+        externals_before = len(self.externals)
+        try:
+            return self._record(func, args, kwargs, meta_cache)
+        except Unrecordable:
+            for dropped in self.externals[externals_before:]:
+                del self._external_ids[id(dropped)]
+            del self.externals[externals_before:]
+            raise
+
+    def _record(self, func, args, kwargs, meta_cache: dict):
+        plan = plan_of(func)
+        node = Node()
+        node.func, node.plan = func, plan
+        node.srcs = []   # (segment node index, output index) of in-segment inputs
+        # Every runtime value the op reads, flattened in argument order: host tensors, and floats,
+        # which change from step to step (learning-rate schedules, Adam's bias corrections) and so
+        # are inputs of a compiled region rather than constants baked into it.
+        node.inputs = []
+        node.ext = []    # indices into self.externals of external inputs
+        producer_fps: list[int] = []
+        descr: list = []
+        node.args = self._host(args, descr, node, producer_fps)
+        kw_descr: list = []
+        node.kwargs = {k: self._host_one(v, kw_descr, node, producer_fps) for k, v in kwargs.items()} \
+            if kwargs else {}
+        node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
+            (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
+        node.fp = hash((node.local, tuple(producer_fps)))
+        result = self._outputs(node, plan, args, kwargs, meta_cache)
+        index = len(self.nodes)
+        self.nodes.append(node)
+        if plan.mutates:
+            self.written_storages.update(t.untyped_storage()._cdata for t in node.inputs
+                                         if isinstance(t, torch.Tensor))
+        for out_index, out in enumerate(node.outs or ()):
+            if out is not None:
+                self._values[id(out)] = (index, out_index, node.fp)
+        return result
+
+    # -- inputs --------------------------------------------------------------------------------
+    def _host(self, seq, descr: list, node: Node, producer_fps: list) -> list:
+        return [self._host_one(arg, descr, node, producer_fps) for arg in seq]
+
+    def _host_one(self, arg, descr: list, node: Node, producer_fps: list, floats_are_inputs=True):
+        if isinstance(arg, NeuronTensor):
+            data = arg._data
+            node.inputs.append(data)
+            source = self._values.get(id(data))
+            if source is None:
+                key = id(data)
+                ext = self._external_ids.get(key)
+                if ext is None:
+                    ext = self._external_ids[key] = len(self.externals)
+                    self.externals.append(data)
+                node.ext.append(ext)
+                descr.append((data.shape, data.stride(), data.storage_offset(), data.dtype, EXTERNAL))
+            else:
+                node.srcs.append(source[:2])
+                producer_fps.append(source[2])
+                descr.append((data.shape, data.stride(), data.storage_offset(), data.dtype,
+                              (len(self.nodes) - source[0], source[1])))
+            return data
+        if type(arg) is float and floats_are_inputs:
+            node.inputs.append(arg)
+            descr.append(FLOAT)
+            return arg
+        if type(arg) is list or type(arg) is tuple:
+            inner: list = []
+            # float lists are constants (scale factors shape outputs) except the _foreach_ family's
+            inputs = node.plan.name.startswith("_foreach_")
+            host = [self._host_one(a, inner, node, producer_fps, inputs) for a in arg]
+            descr.append(tuple(inner))
+            return host
+        if isinstance(arg, torch.Tensor):
+            if arg.dim() != 0 or arg.device.type != "cpu":
+                raise Unrecordable("host tensor argument")
+            # A CPU scalar is read at flush time: keep a private copy of today's value.
+            arg = arg.clone()
+            node.inputs.append(arg)
+            descr.append(("cpu-scalar", arg.dtype, arg.item()))
+            return arg
+        descr.append(arg)
+        return arg
+
+    # -- outputs -------------------------------------------------------------------------------
+    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache: dict):
+        node.wrappers = None
+        node.roots = None
+        if plan.aliases is not None:
+            if None in plan.aliases:
+                raise Unrecordable("returns both inputs it wrote and new tensors")
+            node.kind, node.outs = INPLACE, None
+            return _returned_inputs(plan, args, kwargs)
+        if plan.mutates and not node.func._schema.returns:
+            node.kind, node.outs = INPLACE, None  # the in-place _foreach_ family returns nothing
+            return None
+        if plan.view:
+            node.kind = VIEW
+            host_out = node.func(*node.args, **node.kwargs)  # metadata only: no data is read
+            outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
+            node.outs = tuple(outs)
+            wrapped = [wrap(o) for o in outs]
+            node.wrappers = tuple(weakref.ref(w) for w in wrapped)
+            node.roots = tuple(self._root_of(node) for _ in outs)
+            return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
+        node.kind = FUNCTIONAL
+        metas = meta_cache.get(node.local)
+        if metas is None:
+            metas = meta_cache[node.local] = _meta_outputs(node)
+        buffers = tuple(torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in metas[1])
+        node.outs = buffers
+        wrapped = [wrap(b) for b in buffers]
+        node.wrappers = tuple(weakref.ref(w) for w in wrapped)
+        return tuple(wrapped) if metas[0] else wrapped[0]
+
+    def _root_of(self, node: Node):
+        """The value whose buffer a view aliases: an earlier functional output, or an external."""
+        if node.srcs:
+            src_node = self.nodes[node.srcs[0][0]]
+            if src_node.kind == FUNCTIONAL:
+                return node.srcs[0]
+            if src_node.kind == VIEW:
+                return src_node.roots[node.srcs[0][1]]
+        return None
+
+
+def _meta_outputs(node: Node):
+    """Run the op's meta kernel once per signature: (returns a tuple?, [(shape, stride, dtype)])."""
+    meta_args = [_to_meta(a) for a in node.args]
+    meta_kwargs = {k: _to_meta(v) for k, v in node.kwargs.items()}
+    try:
+        out = node.func(*meta_args, **meta_kwargs)
+    except Exception as error:  # no meta kernel, or one that needs data: run it eagerly
+        raise Unrecordable(f"no meta kernel ({type(error).__name__})") from None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise Unrecordable("returns a non-tensor")
+    return isinstance(out, (tuple, list)), tuple((o.shape, o.stride(), o.dtype) for o in outs)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _returned_inputs(plan: OpPlan, args, kwargs):
+    picked = [args[s] if isinstance(s, int) else kwargs[s] for s in plan.aliases]
+    return picked[0] if len(picked) == 1 else tuple(picked)

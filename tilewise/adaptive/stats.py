@@ -1,0 +1,130 @@
+"""Statistics of the engine: one object, plain counters, cheap to read, resettable, exportable."""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from dataclasses import dataclass, field
+
+from ..device.runtime import DEVICE
+from ..eager.executor import counters as eager_counters
+
+_PACKAGE_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 os.path.dirname(os.path.abspath(__import__("torch").__file__)))
+
+
+@dataclass
+class RegionStats:
+    name: str
+    ops: int
+    compile_seconds: float
+    hits: int = 0
+    misses: int = 0
+    kernels: int = 0
+    simulated_seconds: float = 0.0
+    refused: list = field(default_factory=list)
+
+
+class Stats:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.segments = 0
+        self.ops_seen = 0
+        self.ops_compiled = 0        # ops that ran inside compiled regions
+        self.ops_eager = 0           # compute ops that ran one by one (warm-up, dynamic, fallbacks)
+        self.transfers = 0           # host<->device copies and scalar reads (.to, .cpu, .item)
+        self.random_draws = 0        # RNG ops, run at once to keep eager's random stream
+        self.regions_found = 0
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.recompiles = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.guard_misses: collections.Counter = collections.Counter()   # reason -> count
+        self.fallbacks: collections.Counter = collections.Counter()      # (op, reason) -> count
+        self.fallback_sources: dict = {}                                 # (op, reason) -> "file:line"
+        self.flush_reasons: collections.Counter = collections.Counter()
+        self.regions: dict[str, RegionStats] = {}
+        self._device_start = (DEVICE.timeline.clock, DEVICE.timeline.hbm_bytes, DEVICE.timeline.kernels)
+
+    def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
+        key = (op, reason)
+        self.fallbacks[key] += count
+        if source and key not in self.fallback_sources:
+            self.fallback_sources[key] = user_source_line()
+
+    @property
+    def simulated_seconds(self) -> float:
+        return DEVICE.timeline.clock - self._device_start[0]
+
+    @property
+    def hbm_bytes(self) -> int:
+        return DEVICE.timeline.hbm_bytes - self._device_start[1]
+
+    @property
+    def kernels(self) -> int:
+        return DEVICE.timeline.kernels - self._device_start[2]
+
+    @property
+    def compiled_fraction(self) -> float:
+        ran = self.ops_compiled + self.ops_eager
+        return self.ops_compiled / ran if ran else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "segments": self.segments, "ops_seen": self.ops_seen,
+            "ops_compiled": self.ops_compiled, "ops_eager": self.ops_eager,
+            "transfers": self.transfers, "random_draws": self.random_draws,
+            "compiled_fraction": self.compiled_fraction,
+            "regions_found": self.regions_found, "compiles": self.compiles,
+            "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+            "guard_misses": dict(self.guard_misses),
+            "fallbacks": [{"op": op, "reason": reason, "count": n,
+                           "source": self.fallback_sources.get((op, reason))}
+                          for (op, reason), n in self.fallbacks.most_common()],
+            "flush_reasons": dict(self.flush_reasons),
+            "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
+            "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
+            "regions": {name: vars(r).copy() for name, r in self.regions.items()},
+        }
+
+    def report(self) -> str:
+        lines = [
+            "tilewise statistics",
+            f"  segments {self.segments}, ops seen {self.ops_seen}: {self.ops_compiled} in compiled regions, "
+            f"{self.ops_eager} eager ({100 * self.compiled_fraction:.1f}% of compute ops compiled); "
+            f"{self.transfers} host transfers, {self.random_draws} random draws",
+            f"  regions found {self.regions_found}, compiles {self.compiles} "
+            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}",
+            f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
+            f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernels, "
+            f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
+        ]
+        if self.guard_misses:
+            lines.append("  guard misses: " + ", ".join(f"{r} x{n}" for r, n in self.guard_misses.most_common()))
+        if self.fallbacks:
+            lines.append("  eager fallbacks (op, reason, count, where):")
+            lines += [f"    {op:<28} {reason:<44} x{n:<6} {self.fallback_sources.get((op, reason)) or ''}"
+                      for (op, reason), n in self.fallbacks.most_common(15)]
+        if self.regions:
+            lines.append("  regions (name, ops, hits, misses, compile s, kernels, simulated ms):")
+            lines += [f"    {r.name:<14} {r.ops:>5} {r.hits:>6} {r.misses:>4} {r.compile_seconds:>8.3f} "
+                      f"{r.kernels:>4} {r.simulated_seconds * 1e3:>10.4f}"
+                      for r in list(self.regions.values())[:20]]
+        return "\n".join(lines)
+
+    __str__ = report
+
+
+def user_source_line() -> str | None:
+    """The innermost frame of the user's code: the first one outside torch and tilewise."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIRS) and not filename.startswith("<"):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
