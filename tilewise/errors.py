@@ -32,3 +32,11 @@ def _fmt(nbytes: int) -> str:
             return f"{nbytes:.2f} {unit}" if unit != "B" else f"{nbytes} B"
         nbytes /= 1024
     return f"{nbytes} B"
+
+
+class CompileError(TilewiseError):
+    """The compiler met a graph or a tile program it cannot handle as asked (a bug or a limit)."""
+
+
+class TileLimitError(CompileError):
+    """A tile program breaks a hardware limit of the DeviceSpec (partitions, PSUM bank, SBUF)."""

@@ -25,8 +25,8 @@ def engine(mode: str | None = None, threshold: int | None = None):
     DEVICE.refresh_from_config()
     runtime = RUNTIME
     runtime.flush("engine entered")
-    saved = (runtime.mode, runtime.threshold)
-    runtime.mode, runtime.threshold = mode, threshold
+    saved = (runtime.mode, runtime.threshold, runtime.max_segment_ops)
+    runtime.mode, runtime.threshold, runtime.max_segment_ops = mode, threshold, config.max_segment_ops
     try:
         with Tracer(runtime, mode):
             try:
@@ -34,7 +34,7 @@ def engine(mode: str | None = None, threshold: int | None = None):
             finally:
                 runtime.flush("engine exited")
     finally:
-        runtime.mode, runtime.threshold = saved
+        runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
 
 
 def sync() -> None:

@@ -27,7 +27,6 @@ from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable
 from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
-_READS_DATA = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _FAILED = "failed"
 # Eager for a reason that is no fallback: data crossing between host and device.
 _TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
@@ -45,6 +44,8 @@ class Runtime:
         self.stats = Stats()
         self.mode = "adaptive"
         self.threshold = 3
+        self.max_segment_ops = config.max_segment_ops
+        self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
         self._flushing = False
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
 
@@ -58,8 +59,11 @@ class Runtime:
     def dispatch(self, func, args, kwargs):
         with self.lock:
             self.stats.ops_seen += 1
-            reason = _eager_reason(func, kwargs)
-            if reason is None and is_random(func):
+            info = self._op_info.get(func)
+            if info is None:
+                info = self._op_info[func] = (_eager_reason(func), is_random(func))
+            reason = info[0] or _host_device(kwargs)
+            if reason is None and info[1]:
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
@@ -68,7 +72,7 @@ class Runtime:
                     reason = why.reason
                 else:
                     DEVICE.lazy_pending = True
-                    if len(self.segment) >= config.max_segment_ops:
+                    if len(self.segment) >= self.max_segment_ops:
                         self.flush("segment size bound")
                     return result
             self.flush(reason)
@@ -274,12 +278,16 @@ def _root(segment: Segment, value):
     return value
 
 
-def _eager_reason(func, kwargs) -> str | None:
+def _eager_reason(func) -> str | None:
     tags = func.tags
     if torch.Tag.dynamic_output_shape in tags:
         return "data-dependent output shape"
     if torch.Tag.data_dependent_output in tags:
         return "reads device data on the host"
+    return None
+
+
+def _host_device(kwargs) -> str | None:
     device = kwargs.get("device") if kwargs else None
     if device is not None and torch.device(device).type == "cpu":
         return "copy to host"

@@ -69,7 +69,7 @@ class Segment:
         try:
             return self._record(func, args, kwargs, meta_cache)
         except Unrecordable:
-            for dropped in self.externals[externals_before:]:
+            for dropped in self.externals[externals_before:]:  # keep the segment as it was
                 del self._external_ids[id(dropped)]
             del self.externals[externals_before:]
             raise
@@ -100,8 +100,7 @@ class Segment:
             self.written_storages.update(t.untyped_storage()._cdata for t in node.inputs
                                          if isinstance(t, torch.Tensor))
         for out_index, out in enumerate(node.outs or ()):
-            if out is not None:
-                self._values[id(out)] = (index, out_index, node.fp)
+            self._values[id(out)] = (index, out_index, node.fp, _metadata(out))
         return result
 
     # -- inputs --------------------------------------------------------------------------------
@@ -112,20 +111,19 @@ class Segment:
         if isinstance(arg, NeuronTensor):
             data = arg._data
             node.inputs.append(data)
-            source = self._values.get(id(data))
+            key = id(data)
+            source = self._values.get(key)
             if source is None:
-                key = id(data)
                 ext = self._external_ids.get(key)
                 if ext is None:
-                    ext = self._external_ids[key] = len(self.externals)
+                    ext = self._external_ids[key] = (len(self.externals), _metadata(data) + (EXTERNAL,))
                     self.externals.append(data)
-                node.ext.append(ext)
-                descr.append((data.shape, data.stride(), data.storage_offset(), data.dtype, EXTERNAL))
+                node.ext.append(ext[0])
+                descr.append(ext[1])
             else:
                 node.srcs.append(source[:2])
                 producer_fps.append(source[2])
-                descr.append((data.shape, data.stride(), data.storage_offset(), data.dtype,
-                              (len(self.nodes) - source[0], source[1])))
+                descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
             return data
         if type(arg) is float and floats_are_inputs:
             node.inputs.append(arg)
@@ -189,6 +187,10 @@ class Segment:
             if src_node.kind == VIEW:
                 return src_node.roots[node.srcs[0][1]]
         return None
+
+
+def _metadata(data: torch.Tensor) -> tuple:
+    return (data.shape, data.stride(), data.storage_offset(), data.dtype)
 
 
 def _meta_outputs(node: Node):

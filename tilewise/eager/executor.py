@@ -157,24 +157,22 @@ def _follow_host_metadata(plan: OpPlan, result) -> None:
     buffer; give the device tensor the same size, strides and offset."""
     for tensor in result if type(result) is tuple else (result,):
         if isinstance(tensor, NeuronTensor) and (plan.metadata_mutating or tensor.shape != tensor._data.shape):
-            _restride(tensor)
+            _restride(plan, tensor)
 
 
-def _restride(tensor: NeuronTensor) -> None:
+def _restride(plan: OpPlan, tensor: NeuronTensor) -> None:
     data = tensor._data
     DEVICE.hbm.track(data)  # resize_ and set_ may have put it on another host storage
     try:
-        # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that.
+        # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that,
+        # within the extent (elements spanned) the wrapper was created with.
         with torch._C._DisableTorchDispatch():
             torch.ops.aten.as_strided_(tensor, data.size(), data.stride(), data.storage_offset())
     except RuntimeError:
-        # Grown past the extent the wrapper was made with: it takes over a fresh wrapper's
-        # TensorImpl. Autograd refuses to resize tensors that require grad, so none is lost.
-        try:
-            torch.utils.swap_tensors(tensor, wrap(data))
-        except RuntimeError as error:
-            raise DeviceError(f"cannot grow a neuron tensor in place to {tuple(data.shape)} while it is "
-                              f"referenced elsewhere ({error}); use the out-of-place form") from None
+        data.as_strided_(tensor.size(), tensor.stride(), tensor.storage_offset())  # keep the two in step
+        raise DeviceError(f"{plan.name}: a neuron tensor cannot grow in place beyond the elements it was "
+                          f"created with (to {tuple(data.shape)} from {tuple(tensor.shape)}); create it "
+                          "with its final size (e.g. for out=) or use the out-of-place form") from None
 
 
 def _charge(plan: OpPlan, host_args, kwargs, out, traffic: list) -> None:

@@ -1,0 +1,104 @@
+"""Pass 1: re-trace the region with PyTorch's own decompositions into a core, functional op set.
+
+`functionalize` turns every in-place op on an input into a functional op plus one trailing
+`aten.copy_(input, new_value)`, so later passes see pure dataflow and mutations are write-backs at
+the end. The decomposition table is PyTorch's core-ATen table plus the composite ops we want to
+fuse through (softmax, layer norm, GELU, addmm, their backwards). `_foreach_*` ops have no PyTorch
+decomposition; they are unrolled into the per-tensor op that PyTorch's own slow path runs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils._pytree as pytree
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .region import Region
+
+aten = torch.ops.aten
+
+# Composite ops that core ATen keeps whole but whose parts we fuse (reductions + element-wise).
+_FUSE_THROUGH = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+                 "native_layer_norm", "native_layer_norm_backward", "addmm", "gelu", "gelu_backward",
+                 "silu", "silu_backward", "sigmoid_backward", "tanh_backward", "threshold_backward",
+                 "var_mean", "hardtanh", "mse_loss", "mse_loss_backward", "addcdiv", "addcmul",
+                 "lerp", "logsumexp", "rsub", "mv", "dot", "baddbmm", "linear")
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table() -> dict:
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
+    return table
+
+
+# Per-tensor ops whose scalar operand is keyword-only, while the _foreach_ form passes it positionally.
+_SCALAR_KEYWORD = {"addcdiv": "value", "addcmul": "value"}
+
+
+def _unroll_foreach(name, *args, **kwargs):
+    """`_foreach_op(lists...)` is `[op(a[i], b[i], ...) for i]`: PyTorch's slow-path semantics."""
+    scalar_op = getattr(torch, name)
+    length = next(len(a) for a in args if isinstance(a, (list, tuple)))
+    keyword = _SCALAR_KEYWORD.get(name)
+    if keyword and len(args) == 4:
+        kwargs = {**kwargs, keyword: args[3]}
+        args = args[:3]
+
+    def pick(value, i):
+        return value[i] if isinstance(value, (list, tuple)) else value
+
+    return [scalar_op(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
+            for i in range(length)]
+
+
+def _foreach_entries(graph: torch.fx.Graph) -> dict:
+    """Decomposition entries for every functional overload of each _foreach_ op in the graph."""
+    entries = {}
+    for node in graph.nodes:
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target.__name__.startswith("_foreach_")):
+            continue
+        name = target._overloadpacket.__name__[len("_foreach_"):].rstrip("_")
+        functional = getattr(aten, f"_foreach_{name}", None)
+        if functional is None or not hasattr(torch, name):
+            continue
+        for overload in functional.overloads():
+            if overload != "Tensor" or name not in _SCALAR_KEYWORD:  # tensor of scalars: left opaque
+                entries[getattr(functional, overload)] = functools.partial(_unroll_foreach, name)
+    return entries
+
+
+def flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The same graph taking placeholders positionally (make_fx may add a pytree calling convention)."""
+    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _tracing_inputs(example_inputs) -> list:
+    # Meta inputs would clash with CPU constants inside the graph; an uninitialised host tensor is
+    # free (the OS maps its pages lazily) and the trace only reads its metadata.
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor)
+            and t.device.type == "meta" else t for t in example_inputs]
+
+
+def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
+    flat = flat_module(gm)
+    table = dict(decomposition_table())
+    table.update(_foreach_entries(flat.graph))
+
+    def flat_fn(*args):
+        out = flat(*args)
+        return tuple(leaf for leaf in pytree.tree_leaves(out))
+
+    traced = make_fx(functionalize(flat_fn, remove="mutations"), decomposition_table=table,
+                     tracing_mode="fake")(*_tracing_inputs(example_inputs))
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return Region(pass_name="decompose", gm=traced, name=name)

@@ -1,0 +1,109 @@
+"""What the compiler knows about an aten op: its fusion category, read from the schema and tags."""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+
+aten = torch.ops.aten
+
+# Reductions the tile IR performs along the free axis (the tensor's last dim).
+REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+                        aten.var.correction, aten.prod.dim_int, aten.sum.default})
+MATMULS = frozenset({aten.mm.default})
+# Views that keep the row-major order of elements, so a tile of the input is a tile of the output.
+ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                         aten.squeeze.default, aten.alias.default})
+EXPAND = aten.expand.default
+# Element-wise ops without the pointwise tag: copies and casts.
+EXTRA_ELEMENTWISE = frozenset({aten.clone.default, aten._to_copy.default})
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
+class Reason(NamedTuple):
+    """Why a fusion was refused or an op left opaque; `kind` is stable for counting."""
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+def val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def shape(node) -> tuple[int, ...]:
+    return tuple(int(s) for s in val(node).shape)
+
+
+def numel(dims) -> int:
+    return math.prod(dims)
+
+
+def strip(dims) -> tuple[int, ...]:
+    """Shape without leading 1s: two shapes that differ only there broadcast to the same tiles."""
+    dims = tuple(dims)
+    while dims and dims[0] == 1:
+        dims = dims[1:]
+    return dims
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view(target) -> bool:
+    schema = target._schema
+    return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+
+
+def _is_elementwise(node) -> bool:
+    target = node.target
+    if target._schema.is_mutable or len(target._schema.returns) != 1:
+        return False
+    if target is aten._to_copy.default:
+        return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
+    return torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE
+
+
+def _tensor_out(node) -> bool:
+    value = val(node)
+    return isinstance(value, torch.Tensor) and not value.is_complex()
+
+
+def category(node) -> str:
+    """source | output | glue | view | elementwise | reduction | matmul | opaque."""
+    if node.op in ("placeholder", "get_attr"):
+        return "source"
+    if node.op == "output":
+        return "output"
+    target = node.target
+    if target is operator.getitem or target is aten.copy_.default:
+        return "glue"
+    if not isinstance(target, torch._ops.OpOverload) or not _tensor_out(node):
+        return "opaque"
+    if target in MATMULS:
+        return "matmul" if val(node).dtype in FLOATS else "opaque"
+    if target in REDUCTIONS:
+        return "reduction"
+    if _is_view(target):
+        return "view"
+    if _is_elementwise(node):
+        return "elementwise"
+    return "opaque"
+
+
+def reduced_dims(node) -> list[int]:
+    """The dims a reduction node reduces, normalised to non-negative ints."""
+    ndim = len(shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target is aten.sum.default or dims is None or dims == []:
+        return list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted(d % ndim for d in dims) if ndim else []
+
+
+def tensor_inputs(node) -> list:
+    return [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]

@@ -1,0 +1,64 @@
+"""The object every pass takes and returns: the region's graph plus what the passes derived.
+
+A Region is immutable: a pass returns `region.replace(pass_name=..., ...)`. `print(region)` shows
+the graph (each node annotated with its fusion group once partitioned) and, once lowered, every
+tile kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .printer import format_graph
+from .tile_ir import Kernel
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of graph nodes that becomes one kernel."""
+    id: int
+    kind: str                        # elementwise | reduction | matmul | optimizer | opaque
+    nodes: tuple[str, ...]           # fx node names, in graph order
+    domain: tuple[int, int] = (1, 1) # (rows, cols) of the 2-D iteration space
+    row_values: frozenset = frozenset()  # values held as [p, 1] tiles (constant along the free axis)
+    parts: tuple["Group", ...] = ()  # optimizer kernels: the independent loops fused horizontally
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.id}"
+
+
+@dataclass(frozen=True)
+class Region:
+    pass_name: str
+    gm: torch.fx.GraphModule
+    name: str = "region"
+    groups: tuple[Group, ...] = ()
+    kernels: tuple[Kernel, ...] = ()
+    refused: tuple = ()              # (node or group name, reason)
+    cost: tuple = ()                 # (kernel name, engine, seconds, hbm bytes, flops)
+
+    def replace(self, **changes) -> "Region":
+        return replace(self, **changes)
+
+    def group_of(self) -> dict[str, Group]:
+        return {node: group for group in self.groups for node in group.nodes}
+
+    def __str__(self) -> str:
+        owner = self.group_of()
+
+        def note(node):
+            group = owner.get(node.name)
+            return group.name if group else ""
+
+        lines = [f"# {self.name} after pass: {self.pass_name}"] + format_graph(self.gm.graph, note)
+        for kernel in self.kernels:
+            lines.append("")
+            lines.extend("  " + line for line in str(kernel).splitlines())
+        for entry in self.cost:
+            lines.append(f"  # cost {entry[0]}: {entry[1]} {entry[2] * 1e6:.2f} us, "
+                         f"{entry[3]} HBM bytes, {entry[4]} flops")
+        for what, reason in self.refused:
+            lines.append(f"  # refused {what}: {reason}")
+        return "\n".join(lines)

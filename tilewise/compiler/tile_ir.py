@@ -1,0 +1,83 @@
+"""Tile IR: one frozen node type for every tile instruction, and the kernel that holds a program.
+
+A kernel body is a flat, ordered tuple of `TileOp`s with explicit RANGE/END loops (tinygrad-style).
+Every tile names the loop variable that bounds each of its two axes, so the interpreter and the
+cost model derive the valid extent of an edge tile the same way: `min(step, extent - start)`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+class Ops(enum.Enum):
+    RANGE = "range"          # open a loop: arg = (var, extent, step)
+    END = "end"              # close the loop opened by srcs[0]
+    LOAD = "load"            # DMA HBM -> SBUF: arg = (hbm_name, transpose); tile axes index the HBM view
+    STORE = "store"          # DMA SBUF -> HBM: srcs = (value,), arg = hbm_name
+    ALU = "alu"              # element-wise engine op: arg = (aten op, args template with ("$", i) refs)
+    REDUCE = "reduce"        # reduction along the free axis into a [p, 1] tile: arg as ALU
+    BROADCAST = "broadcast"  # widen a [p, 1] tile along the free axis to [p, f]
+    ZERO = "zero"            # clear a PSUM accumulator before a contraction loop
+    MATMUL = "matmul"        # TensorEngine: srcs = (acc_psum, lhsT_sbuf, rhs_sbuf); acc += lhsT.T @ rhs
+    COPY = "copy"            # PSUM -> SBUF evacuation, casting to the tile's dtype
+
+
+# Axis of a tile: (loop variable or None for a size-1 axis, largest size of the tile on that axis).
+Axis = tuple  # (str | None, int)
+
+
+@dataclass(frozen=True, eq=False)
+class TileOp:
+    op: Ops
+    dtype: torch.dtype | None
+    srcs: tuple["TileOp", ...] = ()
+    arg: Any = None
+    shape: tuple[Axis, ...] = ()   # (partition axis, free axis) for tiles; () for loops/stores
+    space: str | None = None       # "sbuf" or "psum" for tiles that occupy on-chip memory
+    name: str = ""                 # printed name, carries the memory space (x_sbuf, acc_psum)
+
+    def replace(self, **changes) -> "TileOp":
+        return replace(self, **changes)
+
+    def tile_bytes_per_partition(self) -> int:
+        if not self.shape or self.dtype is None:
+            return 0
+        return self.shape[1][1] * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class HbmRef:
+    """A tensor in HBM seen by a kernel: which region value it is and how it is viewed as 2-D."""
+    node: str                     # region value (fx node name)
+    shape: tuple[int, ...]        # the tensor's own shape
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    view: tuple[int, ...] = ()    # broadcast target shape before flattening ( () = own shape )
+    rows_cols: tuple[int, int] = (1, 1)  # the 2-D view the tile axes index
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: str                          # elementwise | reduction | matmul | optimizer | opaque
+    nodes: tuple[str, ...]             # region values computed inside the kernel
+    inputs: dict = field(default_factory=dict)    # hbm_name -> HbmRef
+    outputs: dict = field(default_factory=dict)   # hbm_name -> HbmRef
+    body: tuple[TileOp, ...] = ()
+    sbuf_bytes_per_partition: int = 0  # peak live SBUF per partition, set by the memory plan
+    opaque_target: str = ""            # opaque kernels: the aten op run on the host
+
+    def replace(self, **changes) -> "Kernel":
+        return replace(self, **changes)
+
+    def __str__(self) -> str:
+        from .printer import format_kernel
+        return format_kernel(self)
