@@ -44,3 +44,8 @@ def sync() -> None:
 
 def stats() -> Stats:
     return RUNTIME.stats
+
+
+def reset_caches() -> None:
+    """Forget compiled regions, plans and fingerprints (the next runs warm up from scratch)."""
+    RUNTIME.reset_caches()

@@ -133,9 +133,10 @@ def _map_one(value, lookup):
 class CompiledEntry:
     """A compiled region in the cache: runs it on this flush's buffers and charges its kernels."""
 
-    def __init__(self, compiled, region: Region, compile_seconds: float, name: str):
+    def __init__(self, compiled, region: Region, compile_seconds: float, name: str, op_names: tuple):
         self.compiled = compiled
         self.name = name
+        self.op_names = op_names
         self.ops = len(region.nodes)
         self.compile_seconds = compile_seconds
         self.runs = 0

@@ -36,18 +36,24 @@ class Runtime:
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
+        self.stats = Stats()
+        self.mode = "adaptive"
+        self.threshold = 3
+        self.max_segment_ops = config.max_segment_ops
+        self._flushing = False
+        self.reset_caches()
+        DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
+
+    def reset_caches(self) -> None:
+        """Forget everything learned: fingerprints seen, plans, compiled regions."""
+        self.flush("caches reset")
         self.meta_cache: dict = {}
         self.seen: collections.Counter = collections.Counter()
         self.plans: collections.OrderedDict = collections.OrderedDict()
         self.regions: collections.OrderedDict = collections.OrderedDict()
         self.sites: collections.Counter = collections.Counter()   # compiled mode: signatures per site
-        self.stats = Stats()
-        self.mode = "adaptive"
-        self.threshold = 3
-        self.max_segment_ops = config.max_segment_ops
+        self.variants: dict = {}  # (op, arity) -> fingerprints seen: tells dynamic from warming up
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
-        self._flushing = False
-        DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -152,6 +158,8 @@ class Runtime:
         for kind, what in order:
             if kind == "node":
                 steps.append(("node", what))
+                if compiling:
+                    self._count_dynamic(nodes[what])
                 continue
             region = describe(segment, members[what], needed)
             entry = self._entry(segment, region)
@@ -162,6 +170,16 @@ class Runtime:
                 steps.append(("region", (region, entry)))
         self.stats.regions_found += len(members)
         return steps, final
+
+    def _count_dynamic(self, node) -> None:
+        """Say why a node stayed eager: still warming up, or its signature keeps changing."""
+        variants = self.variants.setdefault((node.func, len(node.local[1])), set())
+        if len(variants) < 64:
+            variants.add(node.fp)
+        if len(variants) > 1:
+            self.stats.fallback(node.plan.name, "dynamic: its input shapes or constants change", source=False)
+        else:
+            self.stats.warmup_ops += 1
 
     def _entry(self, segment: Segment, region: Region):
         entry = self.regions.get(region.key)
@@ -197,7 +215,8 @@ class Runtime:
                                 len(region.nodes), source=False)
             return None
         seconds = time.perf_counter() - started
-        entry = CompiledEntry(compiled, region, seconds, name)
+        entry = CompiledEntry(compiled, region, seconds, name,
+                              tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions[region.key] = entry
         if len(self.regions) > config.region_cache_size:
             self.regions.popitem(last=False)

@@ -36,6 +36,7 @@ class Stats:
         self.ops_eager = 0           # compute ops that ran one by one (warm-up, dynamic, fallbacks)
         self.transfers = 0           # host<->device copies and scalar reads (.to, .cpu, .item)
         self.random_draws = 0        # RNG ops, run at once to keep eager's random stream
+        self.warmup_ops = 0          # eager because not yet seen `threshold` times
         self.regions_found = 0
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -76,7 +77,7 @@ class Stats:
         return {
             "segments": self.segments, "ops_seen": self.ops_seen,
             "ops_compiled": self.ops_compiled, "ops_eager": self.ops_eager,
-            "transfers": self.transfers, "random_draws": self.random_draws,
+            "transfers": self.transfers, "random_draws": self.random_draws, "warmup_ops": self.warmup_ops,
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
@@ -96,7 +97,8 @@ class Stats:
             "tilewise statistics",
             f"  segments {self.segments}, ops seen {self.ops_seen}: {self.ops_compiled} in compiled regions, "
             f"{self.ops_eager} eager ({100 * self.compiled_fraction:.1f}% of compute ops compiled); "
-            f"{self.transfers} host transfers, {self.random_draws} random draws",
+            f"{self.transfers} host transfers, {self.random_draws} random draws, "
+            f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
             f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",

@@ -1,0 +1,188 @@
+"""The adaptive engine against plain CPU PyTorch: same numbers in every mode, and compilation that
+really happens (counted in the statistics) where the issue says it must."""
+import pytest
+import torch
+
+import tilewise
+from tilewise.workloads import WORKLOADS, train_gpt, train_mlp, train_seq
+
+MODES = ["eager", "adaptive", "compiled"]
+
+
+def run(name, mode, steps=20, **kw):
+    tilewise.stats().reset()
+    return WORKLOADS[name]("neuron", mode, steps=steps, **kw), tilewise.stats()
+
+
+def assert_same(reference, result):
+    ref_losses, ref_params = reference
+    losses, params = result
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mlp", "gpt", "seq", "branchy"])
+def test_training_matches_cpu(name, mode):
+    reference = WORKLOADS[name]("cpu", None, steps=20)
+    result, stats = run(name, mode)
+    assert_same(reference, result)
+    if mode != "eager":
+        assert stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
+    else:
+        assert stats.compiles == 0 and stats.ops_compiled == 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_fixed_shapes_compile_everything_after_warmup(name):
+    threshold = tilewise.config.threshold
+    compiles_at = {}
+
+    def after(step):
+        compiles_at[step] = tilewise.stats().compiles
+        if step == threshold + 2:  # warmed up: steady state from here on
+            tilewise.stats().reset()
+
+    WORKLOADS[name]("neuron", "adaptive", steps=threshold + 12, on_step=after)
+    stats = tilewise.stats()
+    assert stats.cache_misses == 0 and not stats.guard_misses and not stats.fallbacks, stats.report()
+    assert stats.compiled_fraction >= 0.99, stats.report()
+    assert stats.compiles == 0 and stats.cache_hits >= 10
+    # nothing compiles before the region has been seen `threshold` times
+    assert compiles_at[threshold - 1] == 0 < compiles_at[threshold], compiles_at
+
+
+def test_region_compiles_exactly_at_threshold():
+    x = torch.randn(64, 64).to("neuron")
+    tilewise.stats().reset()
+    with tilewise.engine(mode="adaptive", threshold=3):
+        for step in range(1, 6):
+            y = (x * 2 + 1).relu().sum()
+            y.item()
+            assert tilewise.stats().compiles == (1 if step >= 3 else 0), (step, tilewise.stats().report())
+    torch.testing.assert_close(y.cpu(), (x.cpu() * 2 + 1).relu().sum())
+
+
+def test_changing_lengths_bounded_compiles_and_optimizer_compiled():
+    lengths = (5, 9, 12, 7)
+    reference = train_seq("cpu", None, steps=40, lengths=lengths)
+    tilewise.stats().reset()
+    result = train_seq("neuron", "adaptive", steps=40, lengths=lengths)
+    assert_same(reference, result)
+    compiles_in_40 = tilewise.stats().compiles
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    train_seq("neuron", "adaptive", steps=80, lengths=lengths)
+    assert tilewise.stats().compiles == compiles_in_40, "compiles grew although every length had been seen"
+    # The optimizer step (shape-independent) runs compiled: Adam's update ops sit in a region.
+    from tilewise.adaptive import RUNTIME
+    compiled_ops = {op for entry in RUNTIME.regions.values() if entry != "failed" for op in entry.op_names}
+    assert {"addcdiv_", "addcmul_", "lerp_"} & compiled_ops, compiled_ops
+
+
+def test_dynamic_part_reported_with_reason():
+    tilewise.stats().reset()
+    train_seq("neuron", "adaptive", steps=6, lengths=(5, 9, 12, 7, 6, 11))
+    reasons = {reason for (_, reason) in tilewise.stats().fallbacks}
+    assert any(reason.startswith("dynamic") for reason in reasons), tilewise.stats().report()
+
+
+def test_compiled_mode_counts_recompiles():
+    tilewise.stats().reset()
+    train_seq("neuron", "compiled", steps=8, lengths=(5, 9, 12, 7))
+    assert tilewise.stats().recompiles >= 3, tilewise.stats().report()
+
+
+def test_recompile_limit_falls_back_to_eager_and_says_so():
+    with tilewise.config.patch(recompile_limit=1):
+        reference = train_seq("cpu", None, steps=8, lengths=(5, 9, 12, 7))
+        tilewise.stats().reset()
+        result = train_seq("neuron", "compiled", steps=8, lengths=(5, 9, 12, 7))
+    assert_same(reference, result)
+    reasons = {reason for (_, reason) in tilewise.stats().fallbacks}
+    assert any("recompile limit" in r for r in reasons), tilewise.stats().report()
+
+
+def test_dropout_masks_match_eager():
+    x = torch.randn(32, 32)
+    torch.manual_seed(7)
+    expected = torch.nn.functional.dropout(x * 3, p=0.3)
+    xn = x.to("neuron")
+    torch.manual_seed(7)
+    with tilewise.engine(mode="adaptive"):
+        got = torch.nn.functional.dropout(xn * 3, p=0.3)
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_views_and_inplace_through_views_stay_eager_semantics():
+    base = torch.randn(6, 6)
+    expected = base.clone()
+    expected[1:3].mul_(2)
+    expected.t()[0].add_(1)
+    got = base.to("neuron")
+    with tilewise.engine(mode="compiled"):
+        for _ in range(2):
+            work = got.clone()
+            work[1:3].mul_(2)
+            work.t()[0].add_(1)
+            tilewise.sync()
+    torch.testing.assert_close(work.cpu(), expected)
+
+
+def test_exception_inside_block_leaves_everything_consistent():
+    x = torch.randn(8).to("neuron")
+    with pytest.raises(ValueError):
+        with tilewise.engine(mode="adaptive"):
+            y = x * 2
+            raise ValueError("user error halfway through a segment")
+    torch.testing.assert_close(y.cpu(), x.cpu() * 2)
+    with tilewise.engine(mode="adaptive"):
+        z = (x + 1).sum()
+    assert z.item() == pytest.approx((x.cpu() + 1).sum().item(), rel=1e-6)
+
+
+def test_engines_nest_and_inner_mode_wins():
+    x = torch.randn(16).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        a = x + 1
+        with tilewise.engine(mode="eager"):
+            tilewise.stats().reset()
+            b = a * 2
+            assert tilewise.stats().segments == 0  # eager: nothing deferred
+        c = b - 1
+    torch.testing.assert_close(c.cpu(), (x.cpu() + 1) * 2 - 1)
+
+
+@pytest.mark.parametrize("bad", [{"mode": "fast"}, {"threshold": 0}, {"threshold": "three"}])
+def test_bad_engine_arguments_list_the_allowed_values(bad):
+    with pytest.raises(tilewise.ConfigError) as error:
+        with tilewise.engine(**bad):
+            pass
+    assert ("eager" in str(error.value)) or (">= 1" in str(error.value))
+
+
+def test_mode_and_threshold_from_environment(monkeypatch):
+    monkeypatch.setenv("TILEWISE_MODE", "compiled")
+    x = torch.randn(8).to("neuron")
+    tilewise.stats().reset()
+    with tilewise.engine():
+        (x * 2).sum().item()
+    assert tilewise.stats().compiles == 1
+    monkeypatch.setenv("TILEWISE_MODE", "turbo")
+    with pytest.raises(tilewise.ConfigError, match="adaptive"):
+        with tilewise.engine():
+            pass
+
+
+def test_stats_api_shapes():
+    result, stats = run("mlp", "adaptive", steps=5)
+    data = stats.to_dict()
+    for key in ("segments", "ops_seen", "ops_compiled", "ops_eager", "compiles", "compile_seconds",
+                "cache_hits", "cache_misses", "recompiles", "guard_misses", "fallbacks",
+                "simulated_seconds", "hbm_bytes", "regions"):
+        assert key in data
+    assert data["simulated_seconds"] > 0 and data["hbm_bytes"] > 0
+    assert "tilewise statistics" in stats.report()
+    stats.reset()
+    assert stats.ops_seen == 0 and stats.compiles == 0
