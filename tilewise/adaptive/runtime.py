@@ -52,7 +52,8 @@ class Runtime:
         self.plans: collections.OrderedDict = collections.OrderedDict()
         self.regions: collections.OrderedDict = collections.OrderedDict()
         self.sites: collections.Counter = collections.Counter()   # compiled mode: signatures per site
-        self.variants: dict = {}  # (op, arity) -> fingerprints seen: tells dynamic from warming up
+        # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
+        self.skeletons: collections.Counter = collections.Counter()
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
 
     # -- per op ---------------------------------------------------------------------------------
@@ -154,12 +155,15 @@ class Runtime:
         members = analysis.find_regions(graph, stable) if stable else []
         order = analysis.execution_order(graph, members, len(nodes))
         needed = _needed_values(segment, graph, members)
+        skeleton = tuple(n.func for n in nodes)
+        self.skeletons[skeleton] += 1
+        dynamic = self.skeletons[skeleton] > threshold
         steps, final = [], len(stable) == len(nodes)
         for kind, what in order:
             if kind == "node":
                 steps.append(("node", what))
                 if compiling:
-                    self._count_dynamic(nodes[what])
+                    self._count_dynamic(nodes[what], dynamic)
                 continue
             region = describe(segment, members[what], needed)
             entry = self._entry(segment, region)
@@ -171,12 +175,10 @@ class Runtime:
         self.stats.regions_found += len(members)
         return steps, final
 
-    def _count_dynamic(self, node) -> None:
-        """Say why a node stayed eager: still warming up, or its signature keeps changing."""
-        variants = self.variants.setdefault((node.func, len(node.local[1])), set())
-        if len(variants) < 64:
-            variants.add(node.fp)
-        if len(variants) > 1:
+    def _count_dynamic(self, node, dynamic: bool) -> None:
+        """Say why a node stayed eager: still warming up, or the same ops keep coming with new
+        shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
+        if dynamic:
             self.stats.fallback(node.plan.name, "dynamic: its input shapes or constants change", source=False)
         else:
             self.stats.warmup_ops += 1

@@ -1,0 +1,30 @@
+"""Quickstart: train a small MLP classifier on the simulated NeuronCore.
+
+    python examples/quickstart.py              # mode from TILEWISE_MODE, default "adaptive"
+    TILEWISE_MODE=eager python examples/quickstart.py
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tilewise
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).to("neuron")
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(20)]
+
+with tilewise.engine():
+    for step, (x, y) in enumerate(data, 1):
+        loss = F.cross_entropy(model(x.to("neuron")), y.to("neuron"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 5 == 0:
+            print(f"step {step:2d}  loss {loss.item():.4f}")
+
+stats = tilewise.stats()
+print(f"simulated device time {stats.simulated_seconds * 1e3:.3f} ms, "
+      f"device memory in use {torch.neuron.memory_allocated() / 1024:.1f} KiB "
+      f"(peak {torch.neuron.max_memory_allocated() / 1024:.1f} KiB)")
+print(stats.report())
