@@ -1,0 +1,67 @@
+"""Host time per op added by the adaptive engine in steady state, against plain CPU eager.
+
+Runs a chain of small adds (the step) on the CPU, on `neuron` op by op, and on `neuron` inside
+tilewise.engine(mode="adaptive") once its region is compiled; the contenders alternate round by
+round in one run (shared, noisy machines) and medians are reported.
+
+    python benchmarks/adaptive_overhead.py [--quick]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import tilewise
+
+OPS_PER_STEP = 100
+
+
+def step(a, b):
+    x = a
+    for _ in range(OPS_PER_STEP):
+        x = x + b
+    return x
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke test")
+    rounds = 5 if parser.parse_args().quick else 60
+    a, b = torch.randn(8), torch.randn(8)
+    a_dev, b_dev = a.to("neuron"), b.to("neuron")
+    timings = {"cpu eager": [], "neuron eager": [], "neuron adaptive": [], "  of which recording": []}
+
+    def adaptive_step():
+        started = time.perf_counter()
+        step(a_dev, b_dev)
+        recorded = time.perf_counter()
+        tilewise.sync()
+        timings["  of which recording"].append(recorded - started)
+
+    with tilewise.engine(mode="adaptive"):
+        for _ in range(tilewise.config.threshold + 2):  # warm up: the region compiles
+            adaptive_step()
+    timings["  of which recording"].clear()
+    for _ in range(rounds):
+        for name, fn in (("cpu eager", lambda: step(a, b)), ("neuron eager", lambda: step(a_dev, b_dev))):
+            started = time.perf_counter()
+            fn()
+            timings[name].append(time.perf_counter() - started)
+        with tilewise.engine(mode="adaptive"):
+            started = time.perf_counter()
+            adaptive_step()
+            timings["neuron adaptive"].append(time.perf_counter() - started)
+    per_op = {name: statistics.median(ts) / OPS_PER_STEP * 1e6 for name, ts in timings.items()}
+    base = per_op["cpu eager"]
+    print(f"{'contender':<24}{'us/op':>8}{'added us/op':>14}")
+    for name, us in per_op.items():
+        added = f"{us - base:>14.2f}" if not name.startswith(" ") and name != "cpu eager" else f"{'':>14}"
+        print(f"{name:<24}{us:>8.2f}{added}")
+    stats = tilewise.stats()
+    print(f"compiled fraction {100 * stats.compiled_fraction:.1f}%, compiles {stats.compiles}, "
+          f"cache hits {stats.cache_hits}")
+
+
+if __name__ == "__main__":
+    main()
