@@ -13,13 +13,19 @@ import torch
 from ..errors import NeuronOutOfMemoryError
 
 
+class _StorageRef(weakref.ref):
+    """Weak reference to a counted storage that remembers what to give back when it dies."""
+    __slots__ = ("key", "nbytes")
+
+
 class HBM:
     def __init__(self, capacity: int, spec_name: str):
         self.capacity = capacity
         self.spec_name = spec_name
         # RLock: a weakref callback may run (garbage collection) while this thread holds the lock.
         self._lock = threading.RLock()
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._live: dict[int, _StorageRef] = {}
+        self._on_free = self._release_ref  # bound once: track() is on every op's path
         self.in_use = 0
         self.peak = 0
         self.allocations = 0
@@ -41,17 +47,19 @@ class HBM:
             if key in self._live:  # another thread (autograd's) counted it meanwhile
                 return
             self.check(nbytes)
-            self._live[key] = (weakref.ref(storage, lambda _, key=key: self._release(key)), nbytes)
+            ref = _StorageRef(storage, self._on_free)
+            ref.key, ref.nbytes = key, nbytes
+            self._live[key] = ref
             self.in_use += nbytes
             self.allocations += 1
             if self.in_use > self.peak:
                 self.peak = self.in_use
 
-    def _release(self, key: int) -> None:
+    def _release_ref(self, ref: _StorageRef) -> None:
         with self._lock:
-            entry = self._live.pop(key, None)
-            if entry is not None:
-                self.in_use -= entry[1]
+            if self._live.get(ref.key) is ref:  # not a newer storage that reused the address
+                del self._live[ref.key]
+                self.in_use -= ref.nbytes
                 self.frees += 1
 
     def reset_peak(self) -> None:

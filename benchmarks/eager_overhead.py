@@ -1,0 +1,104 @@
+"""Host overhead of the neuron device's eager path, side by side with plain CPU eager.
+
+Two measurements, each taken in one run with the contenders interleaved (one round of each in
+turn, medians over the rounds), because these machines are shared and noisy:
+
+(a) per-op host time of 2,000 small adds (8-element float32) on neuron vs on CPU, and the time
+    the device path adds per op;
+(b) the step time of a small MLP training step (Linear 64-128-10, batch 32, cross-entropy, SGD)
+    on neuron vs on CPU, and their ratio.
+
+Targets from the device issue: at most ~12 us/op added over plain CPU eager, MLP step at most
+3x plain CPU. Run `python benchmarks/eager_overhead.py` (or `--quick` for a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import tilewise  # noqa: F401  registers the neuron device
+
+ADDED_US_TARGET = 12.0
+MLP_RATIO_TARGET = 3.0
+
+
+def add_loop(device: str, ops: int):
+    a = torch.randn(8, device=device)
+    b = torch.randn(8, device=device)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(ops):
+            a + b
+        return (time.perf_counter() - start) / ops
+
+    for _ in range(100):  # warm up: op plans, allocator caches
+        a + b
+    return run
+
+
+def mlp_steps(device: str, steps: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64).to(device)
+    y = torch.randint(0, 10, (32,)).to(device)
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps
+
+    step()  # warm up: optimizer state, autograd graph caches, op plans
+    return run
+
+
+def interleaved(contenders: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each contender over `rounds`, running them in alternating order."""
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for round_index in range(rounds):
+        for name in names if round_index % 2 == 0 else reversed(names):
+            samples[name].append(contenders[name]())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not a measurement")
+    args = parser.parse_args(argv)
+    ops, rounds, steps = (200, 3, 5) if args.quick else (2000, 15, 50)
+
+    adds = interleaved({"cpu": add_loop("cpu", ops), "neuron": add_loop("neuron", ops)}, rounds)
+    mlp = interleaved({"cpu": mlp_steps("cpu", steps), "neuron": mlp_steps("neuron", steps)}, rounds)
+
+    added_us = (adds["neuron"] - adds["cpu"]) * 1e6
+    ratio = mlp["neuron"] / mlp["cpu"]
+    rows = [
+        ("small add (8 x f32), us/op", adds["cpu"] * 1e6, adds["neuron"] * 1e6,
+         f"+{added_us:.2f} us/op", f"<= +{ADDED_US_TARGET:.0f} us/op", added_us <= ADDED_US_TARGET),
+        ("MLP step 64-128-10 b32 SGD, us", mlp["cpu"] * 1e6, mlp["neuron"] * 1e6,
+         f"{ratio:.2f}x", f"<= {MLP_RATIO_TARGET:.0f}x", ratio <= MLP_RATIO_TARGET),
+    ]
+    print(f"tilewise eager overhead ({'quick, ' if args.quick else ''}{rounds} interleaved rounds, medians; "
+          f"{ops} adds/round, {steps} MLP steps/round; torch {torch.__version__})")
+    header = f"{'benchmark':<32} {'cpu':>10} {'neuron':>10} {'overhead':>14} {'target':>14}  met"
+    print(header)
+    print("-" * len(header))
+    for name, cpu, neuron, overhead, target, met in rows:
+        print(f"{name:<32} {cpu:>10.2f} {neuron:>10.2f} {overhead:>14} {target:>14}  {'yes' if met else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

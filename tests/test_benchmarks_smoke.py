@@ -1,0 +1,23 @@
+"""The benchmarks run and print their tables (smoke only: timing is never asserted in tests)."""
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_eager_overhead_quick_prints_its_table():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eager_overhead.py"), "--quick"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("benchmark"))
+    for column in ("cpu", "neuron", "overhead", "target", "met"):
+        assert column in lines[header]
+    rows = lines[header + 2:header + 4]
+    assert rows[0].startswith("small add") and "us/op" in rows[0]
+    assert re.search(r"\+\d+\.\d+ us/op", rows[0])
+    assert rows[1].startswith("MLP step") and re.search(r" \d+\.\d+x ", rows[1])
+    for row in rows:
+        assert row.split()[-1] in ("yes", "NO")
