@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..device.spec import DeviceSpec
-from .ops import EXPAND, ORDER_VIEWS, category, shape, val
+from .ops import PRIM_REDUCTIONS, category, shape, val
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
@@ -50,6 +50,8 @@ class _Loop:
         r = self.emit(TileOp(Ops.RANGE, None, arg=(self.r, rows, self.rows_step)))
         c = self.emit(TileOp(Ops.RANGE, None, arg=(self.c, cols, self.full_axes[1][1])))
         for name in self.group.nodes:
+            if name in self.group.inlined:
+                continue  # computed where it is loaded, on the consumer's broadcast tile
             node = self.nodes[name]
             tile = self.lower_node(node)
             self.env[name] = tile
@@ -83,7 +85,8 @@ class _Loop:
 
     def lower_view(self, node) -> TileOp:
         src = self.env[node.args[0].name]
-        if node.target in ORDER_VIEWS or not (node.target is EXPAND and src.shape[1][0] is None):
+        widened = src.shape[1][0] is None and not self.is_row(node)
+        if not widened:
             return src
         return self.emit(TileOp(Ops.BROADCAST, src.dtype, (src,), None, self.full_axes, "sbuf", f"{node.name}_sbuf"))
 
@@ -106,16 +109,41 @@ class _Loop:
     def load(self, value, user) -> TileOp:
         """A tile of `value` (from outside the group) broadcast to the shape `user` computes."""
         target = shape(user)
-        rows, cols = self.group.domain
         value_shape = shape(value)
+        if category(user) == "reduction":  # a reduction reads its whole input, as full rows
+            return self.load_as(value, value_shape, self.group.domain[1] == 1)
         row = self.is_row(user) or not value_shape or value_shape[-1] == 1 or not target
         view = (target[:-1] + (1,) if not self.is_row(user) and target else target) if row else target
+        return self.load_as(value, view, row)
+
+    def recompute(self, node, view, row: bool) -> TileOp:
+        """An inlined producer: its inputs loaded broadcast to `view`, its op applied on that tile."""
+        srcs: list[TileOp] = []
+
+        def ref(value):
+            if isinstance(value, torch.fx.Node):
+                srcs.append(self.load_as(value, view, row))
+                return ("$", len(srcs) - 1)
+            if isinstance(value, (list, tuple)):
+                return type(value)(ref(v) for v in value)
+            return value
+
+        args = tuple(ref(a) for a in node.args)
+        kwargs = {k: ref(v) for k, v in node.kwargs.items()}
+        return self.emit(TileOp(Ops.ALU, val(node).dtype, tuple(srcs), (node.target, args, kwargs),
+                                self.row_axes if row else self.full_axes, "sbuf", f"{node.name}_sbuf"))
+
+    def load_as(self, value, view, row: bool) -> TileOp:
         key = (value.name, view)
         if key not in self.loads:
-            hbm = self.hbm_in(value, view, (rows, 1) if row else (rows, cols))
-            self.loads[key] = self.emit(TileOp(Ops.LOAD, val(value).dtype, (), (hbm, False),
-                                               self.row_axes if row else self.full_axes, "sbuf",
-                                               f"{value.name}_sbuf"))
+            if value.name in self.group.inlined:
+                self.loads[key] = self.recompute(value, view, row)
+            else:
+                rows, cols = self.group.domain
+                hbm = self.hbm_in(value, view, (rows, 1) if row else (rows, cols))
+                self.loads[key] = self.emit(TileOp(Ops.LOAD, val(value).dtype, (), (hbm, False),
+                                                   self.row_axes if row else self.full_axes, "sbuf",
+                                                   f"{value.name}_sbuf"))
         return self.loads[key]
 
     def hbm_in(self, value, view, rows_cols) -> str:
@@ -161,6 +189,8 @@ def reduce_call(node, template):
     args, kwargs = list(template[0]), dict(template[1])
     if node.target is aten.sum.default:
         return aten.sum.dim_IntList, (args[0], [-1], True), {"dtype": kwargs.get("dtype")}
+    if node.target in PRIM_REDUCTIONS:
+        return _prim_reduce_call(node.target, args, kwargs)
     names = [a.name for a in node.target._schema.arguments]
     for name, value in (("dim", -1 if node.target is aten.prod.dim_int else [-1]), ("keepdim", True)):
         index = names.index(name)
@@ -169,6 +199,16 @@ def reduce_call(node, template):
         else:
             kwargs[name] = value
     return node.target, tuple(args), kwargs
+
+
+def _prim_reduce_call(target, args, kwargs):
+    aten_op = PRIM_REDUCTIONS[target]
+    if target is torch.ops.prims.var.default:
+        correction = args[2] if len(args) > 2 else kwargs.get("correction", 1)
+        return aten_op, (args[0], [-1]), {"correction": correction, "keepdim": True}
+    if target is torch.ops.prims.sum.default:
+        return aten_op, (args[0], [-1], True), {"dtype": kwargs.get("output_dtype")}
+    return aten_op, (args[0], [-1], True), {}
 
 
 def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:

@@ -9,10 +9,19 @@ from typing import NamedTuple
 import torch
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 # Reductions the tile IR performs along the free axis (the tensor's last dim).
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
                         aten.var.correction, aten.prod.dim_int, aten.sum.default})
+# PyTorch's own references decompose some ops (var_mean, layer norm) into prims; these are their
+# element-wise and reduction prims, with the aten form the tile IR runs (dim kept).
+PRIM_REDUCTIONS = {prims.sum.default: aten.sum.dim_IntList, prims.var.default: aten.var.correction,
+                   prims.amax.default: aten.amax.default, prims.amin.default: aten.amin.default}
+PRIM_ELEMENTWISE = frozenset(getattr(prims, name).default for name in (
+    "div", "add", "sub", "mul", "neg", "exp", "rsqrt", "sqrt", "where", "maximum", "minimum", "pow",
+    "convert_element_type", "tanh", "erf", "log", "abs", "reciprocal", "sigmoid") if hasattr(prims, name))
+BROADCAST_IN_DIM = prims.broadcast_in_dim.default
 MATMULS = frozenset({aten.mm.default})
 # Views that keep the row-major order of elements, so a tile of the input is a tile of the output.
 ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -65,7 +74,7 @@ def _is_elementwise(node) -> bool:
         return False
     if target is aten._to_copy.default:
         return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
-    return torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE
+    return torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE or target in PRIM_ELEMENTWISE
 
 
 def _tensor_out(node) -> bool:
@@ -86,7 +95,7 @@ def category(node) -> str:
         return "opaque"
     if target in MATMULS:
         return "matmul" if val(node).dtype in FLOATS else "opaque"
-    if target in REDUCTIONS:
+    if target in REDUCTIONS or target in PRIM_REDUCTIONS:
         return "reduction"
     if _is_view(target):
         return "view"

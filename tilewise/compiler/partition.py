@@ -12,7 +12,7 @@ import networkx as nx
 import torch
 
 from ..errors import CompileError
-from .ops import EXPAND, ORDER_VIEWS, Reason, category, numel, reduced_dims, shape, strip, tensor_inputs
+from .ops import BROADCAST_IN_DIM, EXPAND, ORDER_VIEWS, Reason, category, numel, reduced_dims, shape, strip, tensor_inputs
 from .region import Group, Region
 
 FUSABLE = ("elementwise", "reduction", "matmul")
@@ -26,6 +26,7 @@ class _G:
         self.nodes: list = []
         self.names: set[str] = set()
         self.rows: set[str] = set()
+        self.inlined: set[str] = set()
         self.anc: set[int] = set()
 
 
@@ -71,6 +72,7 @@ class _Groups:
         keep.nodes = sorted(keep.nodes + gone.nodes, key=_position)
         keep.rows |= gone.rows
         keep.names |= gone.names
+        keep.inlined |= gone.inlined
         for node in gone.nodes:
             self.owner[node.name] = keep.id
         del self.groups[gone.id]
@@ -81,6 +83,12 @@ class _Groups:
                 other.anc |= {keep.id} | keep.anc
         if keep.id in keep.anc:
             raise CompileError(f"merging {gone.id} into {keep.id} made a cycle")
+
+    def merge_inlined(self, keep: _G, gone: _G) -> None:
+        names = set(gone.names)
+        gone.rows = set()
+        self.merge(keep, gone)
+        keep.inlined |= names
 
     def can_merge(self, a: _G, b: _G) -> Reason | None:
         if {a.kind, b.kind} == {"matmul"} or {a.kind, b.kind} == {"matmul", "reduction"}:
@@ -135,14 +143,17 @@ def _view_fit(node, group: _G):
     arg_row = arg.name in group.rows
     out = shape(node)
     rows, cols = group.domain
-    if node.target in ORDER_VIEWS:
+    same_order = node.target in ORDER_VIEWS or (node.target is BROADCAST_IN_DIM and numel(out) == numel(shape(arg)))
+    widens_row = node.target is EXPAND and strip(shape(arg)) == strip(out[:-1] + (1,)) if out else False
+    if node.target is BROADCAST_IN_DIM and out and len(out) - 1 not in node.args[2]:
+        widens_row = True
+    if same_order:
         if arg_row:
             return group.domain, True
         if out and out[-1] == cols:
             return group.domain, False
         return Reason("view", f"{node.name} changes the free axis of {arg.name}")
-    if node.target is EXPAND and arg_row and out and numel(out) == rows * out[-1] \
-            and strip(shape(arg)) == strip(out[:-1] + (1,)) and cols in (1, out[-1]):
+    if widens_row and arg_row and out and numel(out) == rows * out[-1] and cols in (1, out[-1]):
         return (rows, out[-1]), False
     return Reason("view", f"{node.target} does not keep tiles whole")
 
@@ -245,6 +256,8 @@ def partition(region: Region) -> Region:
             state.new(node, "glue")
         else:
             _place(state, node, cat)
+    _inline_broadcast_producers(state)
+    _fuse_siblings(state, graph)
     groups = _freeze(state)
     groups = fuse_updates(groups, graph)
     gm = _reorder(region.gm, groups)
@@ -252,9 +265,46 @@ def partition(region: Region) -> Region:
                           refused=region.refused + tuple(state.refused))
 
 
+def _inline_broadcast_producers(state: _Groups) -> None:
+    """An element-wise group that only feeds broadcast operands of one kernel is recomputed in it.
+
+    Element-wise ops commute with broadcasting, so the consumer loads the producer's inputs
+    broadcast to its own tile and applies the ops there: one launch and no HBM round trip for the
+    small tensor (e.g. `beta * bias` from addmm's decomposition).
+    """
+    for producer in list(state.groups.values()):
+        if producer.kind != "elementwise" or producer.id not in state.groups:
+            continue
+        if any(category(n) != "elementwise" for n in producer.nodes):
+            continue
+        users = {u for n in producer.nodes for u in n.users if u.name not in producer.names}
+        owners = {state.owner.get(u.name) for u in users}
+        if len(owners) != 1 or None in owners:
+            continue
+        consumer = state.groups[owners.pop()]
+        if consumer.kind not in FUSABLE or not all(category(u) == "elementwise" for u in users):
+            continue
+        if consumer.id in producer.anc or any(producer.id in state.groups[x].anc for x in consumer.anc):
+            continue  # a path leaves the producer and re-enters the consumer through another kernel
+        state.merge_inlined(consumer, producer)
+
+
+def _fuse_siblings(state: _Groups, graph: torch.fx.Graph) -> None:
+    """Groups that read the same tensor over the same domain share one pass over it."""
+    for node in graph.nodes:
+        readers = []
+        for user in node.users:
+            gid = state.owner.get(user.name)
+            if gid in state.groups and state.groups[gid].kind in ("elementwise", "reduction") \
+                    and gid != state.owner.get(node.name) and gid not in readers:
+                readers.append(gid)
+        if len(readers) > 1:
+            _merge_rest(state, state.groups[readers[0]], readers[1:])
+
+
 def _freeze(state: _Groups) -> list[Group]:
     return [Group(id=g.id, kind=g.kind, nodes=tuple(n.name for n in g.nodes), domain=g.domain,
-                  row_values=frozenset(g.rows)) for g in state.groups.values()]
+                  row_values=frozenset(g.rows), inlined=frozenset(g.inlined)) for g in state.groups.values()]
 
 
 def fuse_updates(groups: list[Group], graph: torch.fx.Graph) -> list[Group]:

@@ -22,6 +22,7 @@ class Group:
     nodes: tuple[str, ...]           # fx node names, in graph order
     domain: tuple[int, int] = (1, 1) # (rows, cols) of the 2-D iteration space
     row_values: frozenset = frozenset()  # values held as [p, 1] tiles (constant along the free axis)
+    inlined: frozenset = frozenset()  # element-wise producers recomputed on broadcast load tiles
     parts: tuple["Group", ...] = ()  # optimizer kernels: the independent loops fused horizontally
 
     @property
