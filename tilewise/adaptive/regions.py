@@ -18,6 +18,9 @@ from ..device.runtime import DEVICE
 from .segment import FUNCTIONAL, VIEW, Node, Segment
 
 
+_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+
 @dataclass
 class Region:
     """One region of one flushed segment, located by node indices of that segment."""
@@ -95,6 +98,11 @@ def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
     for n in region.nodes:
         node = segment.nodes[n]
         lookup = lambda t: _fx_value(segment, t, values, by_id)  # noqa: E731
+        if node.func in _ALIASES:
+            # detach/alias only cut autograd history, which a region graph has none of; as graph
+            # nodes they trip functionalization, as identities they compute the same values.
+            values[(n, 0)] = lookup(node.args[0])
+            continue
         call = graph.call_function(node.func, _map(node.args, lookup), _map_kw(node.kwargs, lookup))
         outs = node.outs or ()
         if len(outs) == 1 and not isinstance(node.func._schema.returns[0].type, torch.ListType) \
@@ -123,7 +131,7 @@ def _map_kw(kwargs, lookup):
 
 
 def _map_one(value, lookup):
-    if isinstance(value, (torch.Tensor, float)):
+    if isinstance(value, torch.Tensor):
         return lookup(value)
     if type(value) is list or type(value) is tuple:
         return type(value)(_map_one(v, lookup) for v in value)

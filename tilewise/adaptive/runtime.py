@@ -12,6 +12,7 @@ Per flush, the whole policy:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 
@@ -28,6 +29,7 @@ from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
+_COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 # Eager for a reason that is no fallback: data crossing between host and device.
 _TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
 
@@ -210,7 +212,10 @@ class Runtime:
         try:
             gm = build_graph(segment, region)
             inputs = [segment.nodes[n].inputs[f] for n, f in region.inputs]
-            compiled = compile_graph(gm, inputs, DEVICE.spec, name=name)
+            # The compiler traces with fake tensors and functionalization of its own; a flush may
+            # run inside the tracer's dispatch of the op that caused it, whose thread-local dispatch
+            # state breaks that tracing. A thread of its own starts from clean state.
+            compiled = _COMPILER_THREAD.submit(compile_graph, gm, inputs, DEVICE.spec, name=name).result()
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             self.regions[region.key] = _FAILED
             self.stats.fallback("<region>", f"compile failed: {type(error).__name__}: {error}"[:120],

@@ -21,7 +21,6 @@ from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
 
 EXTERNAL = ("x",)
-FLOAT = ("float",)
 VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
 
 
@@ -79,9 +78,9 @@ class Segment:
         node = Node()
         node.func, node.plan = func, plan
         node.srcs = []   # (segment node index, output index) of in-segment inputs
-        # Every runtime value the op reads, flattened in argument order: host tensors, and floats,
-        # which change from step to step (learning-rate schedules, Adam's bias corrections) and so
-        # are inputs of a compiled region rather than constants baked into it.
+        # Every host tensor the op reads, flattened in argument order. Python scalars are
+        # constants of the node (and of any region compiled from it): the compiler specialises on
+        # them, so a changed value is a new signature.
         node.inputs = []
         node.ext = []    # indices into self.externals of external inputs
         producer_fps: list[int] = []
@@ -107,7 +106,7 @@ class Segment:
     def _host(self, seq, descr: list, node: Node, producer_fps: list) -> list:
         return [self._host_one(arg, descr, node, producer_fps) for arg in seq]
 
-    def _host_one(self, arg, descr: list, node: Node, producer_fps: list, floats_are_inputs=True):
+    def _host_one(self, arg, descr: list, node: Node, producer_fps: list):
         if isinstance(arg, NeuronTensor):
             data = arg._data
             node.inputs.append(data)
@@ -125,15 +124,9 @@ class Segment:
                 producer_fps.append(source[2])
                 descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
             return data
-        if type(arg) is float and floats_are_inputs:
-            node.inputs.append(arg)
-            descr.append(FLOAT)
-            return arg
         if type(arg) is list or type(arg) is tuple:
             inner: list = []
-            # float lists are constants (scale factors shape outputs) except the _foreach_ family's
-            inputs = node.plan.name.startswith("_foreach_")
-            host = [self._host_one(a, inner, node, producer_fps, inputs) for a in arg]
+            host = [self._host_one(a, inner, node, producer_fps) for a in arg]
             descr.append(tuple(inner))
             return host
         if isinstance(arg, torch.Tensor):
