@@ -57,6 +57,8 @@ class Runtime:
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons: collections.Counter = collections.Counter()
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
+        # Callables given a dict per analysed segment and per compile (the explorer listens here).
+        self.observers: list = []
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -175,7 +177,14 @@ class Runtime:
             else:
                 steps.append(("region", (region, entry)))
         self.stats.regions_found += len(members)
+        if self.observers:
+            self._notify(_segment_event(segment, graph, stable, steps, dynamic))
         return steps, final
+
+    def _notify(self, event: dict) -> None:
+        event["segment"] = self.stats.segments
+        for observer in list(self.observers):
+            observer(event)
 
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
@@ -222,6 +231,10 @@ class Runtime:
                                 len(region.nodes), source=False)
             return None
         seconds = time.perf_counter() - started
+        if self.observers:
+            self._notify({"kind": "compile", "region": name, "ops": len(region.nodes), "host_start": started,
+                          "seconds": seconds, "kernels": len(compiled.cost),
+                          "refused": [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]})
         entry = CompiledEntry(compiled, region, seconds, name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions[region.key] = entry
@@ -270,6 +283,21 @@ class Runtime:
                 detail.hits += entry.runs > 1
                 detail.kernels = entry.kernels
                 detail.simulated_seconds += entry.seconds
+
+
+def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
+    """What the explorer draws: the segment's op graph, stable nodes and the regions they ran in."""
+    region_of = {n: entry.name for kind, what in steps if kind == "region"
+                 for region, entry in [what] for n in region.nodes}
+    nodes = [{"index": i, "op": n.plan.name, "kind": n.kind, "stable": i in stable,
+              "region": region_of.get(i),
+              "why_eager": None if i in region_of else
+              ("dynamic: input shapes or constants change" if dynamic and i not in stable else
+               "warming up" if i not in stable else "region not compiled"),
+              "shapes": [list(o.shape) for o in (n.outs or ())]}
+             for i, n in enumerate(segment.nodes)]
+    return {"kind": "segment", "host_time": time.perf_counter(), "nodes": nodes,
+            "edges": [list(edge) for edge in graph.edges]}
 
 
 def _replay(node) -> None:
