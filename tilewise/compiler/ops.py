@@ -28,8 +28,12 @@ ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.resh
                          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                          aten.squeeze.default, aten.alias.default})
 EXPAND = aten.expand.default
-# Element-wise ops without the pointwise tag: copies and casts.
-EXTRA_ELEMENTWISE = frozenset({aten.clone.default, aten._to_copy.default})
+# Element-wise ops without the pointwise tag: copies and casts, and the constants that
+# decompositions make (`where(mask, scalar_tensor(-inf), x)`): a tile of them is computed in place,
+# so they fuse (or are inlined) instead of costing a launch and an HBM round trip each.
+EXTRA_ELEMENTWISE = frozenset({aten.clone.default, aten._to_copy.default, aten.full_like.default,
+                               aten.zeros_like.default, aten.ones_like.default})
+SCALAR_CONSTANTS = frozenset({aten.scalar_tensor.default, aten.full.default})
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
@@ -73,8 +77,19 @@ def _is_elementwise(node) -> bool:
     if target._schema.is_mutable or len(target._schema.returns) != 1:
         return False
     if target is aten._to_copy.default:
-        return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
+        return _host_cast(node)
+    if target in SCALAR_CONSTANTS:
+        return numel(shape(node)) == 1
     return torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE or target in PRIM_ELEMENTWISE
+
+
+def _host_cast(node) -> bool:
+    """A dtype cast that stays in place (no device move, no layout or format change)."""
+    kwargs = node.kwargs
+    return len(node.args) == 1 and set(kwargs) <= {"dtype", "device", "layout", "memory_format"} \
+        and kwargs.get("device") in (None, torch.device("cpu")) \
+        and kwargs.get("layout") in (None, torch.strided) \
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
 
 
 def _tensor_out(node) -> bool:
