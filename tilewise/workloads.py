@@ -88,22 +88,31 @@ def _engine(device, mode):
     return tilewise.engine(mode=mode)
 
 
-def train_mlp(device="cpu", mode=None, steps=20, seed=0, batch=16, on_step=None):
-    torch.manual_seed(seed)
-    model = MLP()
-    data = [(torch.randn(batch, 32), torch.randint(0, 10, (batch,))) for _ in range(steps)]
-    model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _train(model, opt, data, device, mode, on_step, loss_of):
+    """The usual step: loss, backward, step, zero_grad, then read the loss (the sync point)."""
     losses = []
     with _engine(device, mode):
-        for x, y in data:
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        for batch in data:
+            loss = loss_of(model, *(t.to(device) for t in batch))
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
             _notify(on_step, len(losses))
     return _finish(model, losses)
+
+
+def _classify(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def train_mlp(device="cpu", mode=None, steps=20, seed=0, batch=16, on_step=None):
+    torch.manual_seed(seed)
+    model = MLP()
+    data = [(torch.randn(batch, 32), torch.randint(0, 10, (batch,))) for _ in range(steps)]
+    model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return _train(model, opt, data, device, mode, on_step, _classify)
 
 
 def text_batches(steps, batch=4, length=16, vocab=64, seed=0):
@@ -126,18 +135,13 @@ def train_gpt(device="cpu", mode=None, steps=20, seed=0, on_step=None):
     # update (its default check excludes tensor subclasses), whose bias corrections are Python
     # floats that change every step, so those update ops would stay eager.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
-    losses = []
     torch.manual_seed(seed + 1)  # dropout masks: the same stream on every device
-    with _engine(device, mode):
-        for x, y in data:
-            logits = model(x.to(device))
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            _notify(on_step, len(losses))
-    return _finish(model, losses)
+    return _train(model, opt, data, device, mode, on_step, _next_token_loss)
+
+
+def _next_token_loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def seq_batches(steps, lengths=(5, 9, 12, 7), batch=8, vocab=50, seed=0):
@@ -180,18 +184,14 @@ def train_branchy(device="cpu", mode=None, steps=20, seed=0, on_step=None):
     data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(steps)]
     model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    with _engine(device, mode):
-        for x, y in data:
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            if loss.item() > 2.2:
-                loss = loss + 1e-3 * sum((p * p).sum() for p in model.parameters())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            _notify(on_step, len(losses))
-    return _finish(model, losses)
+    return _train(model, opt, data, device, mode, on_step, _loss_with_branch)
+
+
+def _loss_with_branch(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    if loss.item() > 2.2:  # reads the loss on the host: the segment so far is computed first
+        loss = loss + 1e-3 * sum((p * p).sum() for p in model.parameters())
+    return loss
 
 
 WORKLOADS = {"mlp": train_mlp, "gpt": train_gpt, "seq": train_seq, "branchy": train_branchy}
