@@ -75,7 +75,16 @@ def wrap(data: torch.Tensor) -> NeuronTensor:
     tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
                            storage_offset=data.storage_offset(), dtype=data.dtype, device=NEURON)
     tensor._data = data
+    if data.is_conj() or data.is_neg():
+        _mirror_math_bits(tensor, data)
     return tensor
+
+
+def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
+    # A lazy conjugate or negation (x.conj(), a view of one) is a bit on the host view; the device
+    # tensor carries the same bit, so PyTorch resolves it where it would on CPU.
+    torch._C._set_conj(tensor, data.is_conj())
+    torch._C._set_neg(tensor, data.is_neg())
 
 
 _track = DEVICE.hbm.track

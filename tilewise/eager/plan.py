@@ -16,9 +16,7 @@ METADATA_MUTATING = frozenset({
 })
 
 # Ops whose whole point is to move data between host and device.
-# tensor_split takes its split points as a host tensor, as on CUDA.
-CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to",
-                          "tensor_split"})
+CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
 
 
 class OpPlan(NamedTuple):

@@ -1,0 +1,254 @@
+"""Conformance against PyTorch's OpInfo database: run each sample on CPU and on neuron, compare.
+
+Shared by tests/test_opinfo.py (a deterministic subset, in CI) and scripts/opinfo_sweep.py (every
+op, every sample). A sample's outcome is one of:
+  PASS      neuron agrees with CPU (values, dtype, shape; gradients in grad mode)
+  FAIL      neuron disagrees or raises where CPU does not
+  EXCLUDED  the op is listed in tests/opinfo_exclusions.py (the reason says why)
+  NOT_RUN   the sample does not run on CPU either, or has nothing to differentiate: not counted
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import tilewise  # noqa: F401  (registers the neuron device)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from opinfo_exclusions import COMPARE_METADATA_ONLY, EXCLUDED, MODES, TOLERANCES, category_of  # noqa: E402
+
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+PASS, FAIL, EXCLUDED_, NOT_RUN = "pass", "fail", "excluded", "not_run"
+MODE_DTYPES = {"float32": torch.float32, "grad": torch.float32, "bfloat16": torch.bfloat16,
+               "int64": torch.int64}
+NEURON = torch.device("neuron")
+SEED = 1234
+
+
+def op_key(op) -> str:
+    """The op's name in reports and in the exclusion list: `name` or `name.variant`."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+OPS = {op_key(op): op for op in op_db}
+
+
+def applies(op, mode: str) -> bool:
+    """Whether the mode is meaningful for the op on CPU (its dtype is supported, it has autograd)."""
+    if MODE_DTYPES[mode] not in op.supported_dtypes("cpu"):
+        return False
+    return op.supports_autograd if mode == "grad" else True
+
+
+def exclusion(key: str, mode: str) -> str | None:
+    """The reason the op is excluded in this mode, or None. `op@mode` entries exclude one mode."""
+    return EXCLUDED.get(f"{key}@{mode}") or EXCLUDED.get(key)
+
+
+def samples(op, mode: str, limit: int | None = None) -> list:
+    """The op's samples for a mode, generated under a fixed seed so every run sees the same ones.
+
+    Generated on a fresh thread: PyTorch's sample tracker walks the caller's stack with
+    inspect.stack() on every call, which under pytest collection costs ~60 ms a call; a new
+    thread's stack is two frames deep."""
+    result: list = []
+
+    def generate():
+        try:
+            torch.manual_seed(SEED)
+            generated = op.sample_inputs("cpu", MODE_DTYPES[mode], requires_grad=(mode == "grad"))
+            result.append(list(itertools.islice(generated, limit)))
+        except BaseException as error:  # noqa: BLE001  (re-raised on the caller's thread)
+            result.append(error)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+class Outcome(NamedTuple):
+    status: str
+    message: str = ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Moving a sample to the device
+
+# Arguments PyTorch requires on the host whatever the device (as on CUDA): they stay on CPU.
+HOST_ARGUMENTS = {"tensor_split": "split points (tensor_indices_or_sections) must be a CPU tensor"}
+
+
+def to_neuron(sample, key: str = ""):
+    """A copy of the sample's (input, args, kwargs) on neuron, keeping strides, storage offsets,
+    aliasing between arguments and requires_grad. Tensors that are views of a larger storage
+    become views of one device copy of that storage, so an op sees the layout the CPU op saw."""
+    bases: dict = {}
+    if key in HOST_ARGUMENTS:
+        return _move_tensor(sample.input, bases), tuple(sample.args), dict(sample.kwargs)
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return _move_tensor(value, bases)
+        if (isinstance(value, torch.device) and value.type == "cpu") or value == "cpu":
+            return NEURON  # the sample's device is the device under test
+        return value
+
+    kwargs = {key: NEURON if key == "device" and value is not None else tree_map(move, value)
+              for key, value in sample.kwargs.items()}
+    return tree_map(move, sample.input), tree_map(move, tuple(sample.args)), kwargs
+
+
+def _move_tensor(t: torch.Tensor, bases: dict) -> torch.Tensor:
+    if t.device.type != "cpu" or t.is_sparse or t.layout != torch.strided:
+        return t
+    storage = t.untyped_storage()
+    whole = t.storage_offset() == 0 and t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
+    if whole and storage.data_ptr() not in bases:
+        moved = t.detach().to(NEURON)
+    else:
+        base = bases.get(storage.data_ptr())
+        if base is None:
+            flat = torch.empty(0, dtype=t.dtype).set_(storage)
+            base = bases[storage.data_ptr()] = flat.detach().to(NEURON)
+        moved = base.as_strided(t.size(), t.stride(), t.storage_offset()).detach()
+    return moved.requires_grad_(t.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparing
+
+def _compare(actual, expected, what: str, metadata_only: bool, on_device: bool = True,
+             tolerance: tuple | None = None) -> None:
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            raise AssertionError(f"{what}: expected a tensor, got {type(actual).__name__}")
+        if on_device and what.startswith("output") and actual.device.type != "neuron":
+            raise AssertionError(f"{what}: result is on {actual.device}, expected neuron")
+        actual = actual.detach().cpu()
+        expected = expected.detach()
+        if metadata_only:
+            if (actual.shape, actual.dtype) != (expected.shape, expected.dtype):
+                raise AssertionError(f"{what}: got {actual.dtype}{list(actual.shape)}, expected "
+                                     f"{expected.dtype}{list(expected.shape)}")
+            return
+        atol, rtol = tolerance[:2] if tolerance and expected.dtype in (torch.float32, torch.bfloat16) else (None, None)
+        if tolerance and expected.dtype == torch.bfloat16:
+            atol, rtol = atol * 100, rtol * 100
+        torch.testing.assert_close(actual, expected, equal_nan=True, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{what}: {m}")
+    elif isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            raise AssertionError(f"{what}: expected a sequence of {len(expected)}, got {actual!r:.80}")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _compare(a, e, f"{what}[{i}]", metadata_only, on_device, tolerance)
+    elif isinstance(expected, float) and expected != expected:
+        if not (isinstance(actual, float) and actual != actual):
+            raise AssertionError(f"{what}: expected nan, got {actual!r}")
+    elif actual != expected:
+        raise AssertionError(f"{what}: expected {expected!r:.80}, got {actual!r:.80}")
+
+
+def _run(func, args, kwargs):
+    torch.manual_seed(SEED)  # random ops draw from the CPU default generator on both devices
+    return func(*args, **kwargs)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ------------------------------------------------------------------------------------------------
+# Running one sample
+
+def run_forward(op, sample) -> Outcome:
+    metadata_only = op_key(op) in COMPARE_METADATA_ONLY
+    device_input, device_args, device_kwargs = to_neuron(sample, op_key(op))
+    try:
+        expected = _run(op, (sample.input, *sample.args), sample.kwargs)
+    except Exception as error:  # noqa: BLE001
+        return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
+    try:
+        actual = _run(op, (device_input, *device_args), device_kwargs)
+        # A factory given neither a tensor nor a device (torch.arange(3)) rightly returns a CPU tensor.
+        on_device = isinstance(sample.input, torch.Tensor) or "device" in sample.kwargs
+        _compare(actual, expected, "output", metadata_only, on_device, TOLERANCES.get(op_key(op)))
+        # In-place ops and out= write their arguments: the writes must land on the device too.
+        if not metadata_only:
+            _compare(_tensors([device_input, *device_args]), _tensors([sample.input, *sample.args]),
+                     "inputs after", False)
+    except Exception as error:  # noqa: BLE001
+        return Outcome(FAIL, _first_line(error))
+    return Outcome(PASS)
+
+
+def _tensors(values) -> list:
+    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+
+
+def _differentiable(outputs) -> list:
+    return [o for o in tree_flatten(outputs)[0]
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point]
+
+
+def _grads(op, sample_input, args, kwargs, process, cotangent_device):
+    out = _run(op.gradcheck_wrapper, (op.get_op(), sample_input, *args), kwargs)
+    outputs = _differentiable(process(out))
+    inputs = [t for t in tree_flatten((sample_input, args, kwargs))[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs or not inputs:
+        return None
+    generator = torch.Generator().manual_seed(SEED)
+    cotangents = [torch.randn(o.shape, dtype=o.dtype, generator=generator).to(cotangent_device)
+                  for o in outputs]
+    return torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+
+
+def run_grad(op, sample) -> Outcome:
+    device_input, device_args, device_kwargs = to_neuron(sample, op_key(op))
+    process = sample.output_process_fn_grad
+    try:
+        expected = _grads(op, sample.input, sample.args, sample.kwargs, process, "cpu")
+    except Exception as error:  # noqa: BLE001
+        return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
+    if expected is None:
+        return Outcome(NOT_RUN, "nothing to differentiate")
+    try:
+        actual = _grads(op, device_input, device_args, device_kwargs, process, NEURON)
+        if actual is None:
+            raise AssertionError("no differentiable outputs on neuron")
+        _compare(list(actual), list(expected), "grad", False, tolerance=TOLERANCES.get(op_key(op)))
+    except Exception as error:  # noqa: BLE001
+        return Outcome(FAIL, _first_line(error))
+    return Outcome(PASS)
+
+
+def run_sample(op, sample, mode: str) -> Outcome:
+    """Run one sample in one mode; excluded ops are still run on CPU to know whether they count."""
+    reason = exclusion(op_key(op), mode)
+    if reason is not None:
+        try:
+            if mode == "grad":
+                if _grads(op, sample.input, sample.args, sample.kwargs,
+                          sample.output_process_fn_grad, "cpu") is None:
+                    return Outcome(NOT_RUN, "nothing to differentiate")
+            else:
+                _run(op, (sample.input, *sample.args), sample.kwargs)
+        except Exception as error:  # noqa: BLE001
+            return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
+        return Outcome(EXCLUDED_, reason)
+    return run_grad(op, sample) if mode == "grad" else run_forward(op, sample)
+
+
+__all__ = ["EXCLUDED", "FAIL", "MODES", "NOT_RUN", "OPS", "Outcome", "PASS", "applies", "category_of",
+           "exclusion", "op_key", "run_sample", "samples"]
