@@ -54,6 +54,7 @@ def test_fixed_shapes_compile_everything_after_warmup(name):
     assert stats.cache_misses == 0 and not stats.guard_misses, stats.report()
     assert stats.compiled_fraction >= 0.99, stats.report()
     assert stats.compiles == 0 and stats.cache_hits >= 10
+    assert stats.analyses == 0, "steady-state segments should replay their cached plan"
     # nothing compiles before the region has been seen `threshold` times
     assert compiles_at[threshold - 1] == 0 < compiles_at[threshold], compiles_at
 
@@ -83,7 +84,7 @@ def test_changing_lengths_bounded_compiles_and_optimizer_compiled():
     # The optimizer step (shape-independent) runs compiled: Adam's update ops sit in a region.
     from tilewise.adaptive import RUNTIME
     compiled_ops = {op for entry in RUNTIME.regions.values() if entry != "failed" for op in entry.op_names}
-    assert {"addcdiv_", "addcmul_", "lerp_"} & compiled_ops, compiled_ops
+    assert {"_foreach_addcmul_", "_foreach_lerp_", "_foreach_sqrt"} & compiled_ops, compiled_ops
 
 
 def test_dynamic_part_reported_with_reason():
@@ -191,3 +192,32 @@ def test_stats_api_shapes():
     assert "tilewise statistics" in stats.report()
     stats.reset()
     assert stats.ops_seen == 0 and stats.compiles == 0
+
+
+def test_cpu_scalar_tensor_is_a_region_input_not_a_constant():
+    x = torch.randn(16)
+    x_dev = x.to("neuron")
+    with tilewise.engine(mode="compiled"):
+        for step in range(4):
+            scale = torch.tensor(0.5 + step)
+            got = (x_dev * scale + 1).sum().item()
+            assert got == pytest.approx((x * scale + 1).sum().item(), rel=1e-6)
+    assert tilewise.stats().compiles == 1, tilewise.stats().report()
+
+
+def test_changing_float_constants_replay_the_plan_without_reanalysis():
+    x = torch.randn(32, 32).to("neuron")
+
+    def after(step):
+        if step == 4:
+            tilewise.stats().reset()
+
+    with tilewise.engine(mode="adaptive", threshold=2):
+        for step in range(1, 10):
+            y = (x * 2).relu() * (1.0 / step)  # the last op's constant changes every step
+            expected = (x.cpu() * 2).relu() * (1.0 / step)
+            torch.testing.assert_close(y.cpu(), expected)
+            after(step)
+    stats = tilewise.stats()
+    assert stats.analyses == 0 and stats.ops_compiled > 0, stats.report()
+    assert any(reason.startswith("dynamic") for (_, reason) in stats.fallbacks)

@@ -160,3 +160,9 @@ def test_manual_seed_gives_the_same_numbers_on_neuron_and_cpu():
     n.normal_()
     torch.manual_seed(9)
     assert torch.equal(n.cpu(), torch.zeros(4).normal_())
+
+
+def test_optimizers_default_to_foreach_on_neuron_like_cuda():
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    params = list(torch.nn.Linear(4, 2).to("neuron").parameters())
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, True)

@@ -131,10 +131,7 @@ def train_gpt(device="cpu", mode=None, steps=20, seed=0, on_step=None):
     model = TinyGPT()
     data = text_batches(steps)
     model.to(device)
-    # foreach=True is what CUDA users get by default; on neuron PyTorch falls back to the for-loop
-    # update (its default check excludes tensor subclasses), whose bias corrections are Python
-    # floats that change every step, so those update ops would stay eager.
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(seed + 1)  # dropout masks: the same stream on every device
     return _train(model, opt, data, device, mode, on_step, _next_token_loss)
 

@@ -15,6 +15,7 @@ import torch.fx
 
 from ..device.runtime import DEVICE
 
+from .analysis import _storages
 from .segment import FUNCTIONAL, VIEW, Node, Segment
 
 
@@ -80,6 +81,20 @@ def _exported(segment: Segment, value: tuple[int, int], outputs: set) -> bool:
         return value in outputs
     root = node.roots[value[1]]
     return root is None or root in outputs
+
+
+def writes_shared_input(segment: Segment, region: Region) -> bool:
+    """Whether two region inputs share memory that the region writes (x and a view of x taken
+    in an earlier segment, say). The compiler traces inputs as independent tensors, so a write
+    through one would not be seen through the other: such a region must run eagerly."""
+    counts: dict[int, int] = {}
+    for n, flat in region.inputs:
+        tensor = segment.nodes[n].inputs[flat]
+        if isinstance(tensor, torch.Tensor):
+            key = tensor.untyped_storage()._cdata
+            counts[key] = counts.get(key, 0) + 1
+    shared = {key for key, count in counts.items() if count > 1}
+    return bool(shared) and any(shared & _storages(segment.nodes[n])[1] for n in region.nodes)
 
 
 def alias_signature(tensors: list[torch.Tensor]) -> tuple:

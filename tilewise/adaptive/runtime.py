@@ -5,6 +5,7 @@ flush and run it eagerly; random ops run at once so random numbers come in eager
 
 Per flush, the whole policy:
     segment seen before with every node stable and compiled -> replay its plan (guards first)
+    same segment but for constants of its eager nodes, regions unchanged -> replay that plan
     otherwise: count fingerprints; stable nodes = seen in >= threshold flushes (all, in compiled
     mode); cut them into convex regions; compile or fetch each region; run regions and the
     dynamic nodes between them in a valid order; keep the plan once nothing is left to warm up.
@@ -23,12 +24,13 @@ from ..device.runtime import DEVICE
 from ..eager.executor import execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from . import analysis
-from .regions import CompiledEntry, Region, alias_signature, build_graph, describe
+from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, writes_shared_input
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable
 from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
+_FLOAT = ("float",)
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 # Eager for a reason that is no fallback: data crossing between host and device.
 _TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
@@ -43,6 +45,9 @@ class Runtime:
         self.threshold = 3
         self.max_segment_ops = config.max_segment_ops
         self._flushing = False
+        self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
+        # Callables given a dict per analysed segment and per compile (the explorer listens here).
+        self.observers: list = []
         self.reset_caches()
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
 
@@ -52,13 +57,13 @@ class Runtime:
         self.meta_cache: dict = {}
         self.seen: collections.Counter = collections.Counter()
         self.plans: collections.OrderedDict = collections.OrderedDict()
+        # plans of segments whose eager nodes change constants every flush, keyed without floats
+        self.dynamic_plans: collections.OrderedDict = collections.OrderedDict()
         self.regions: collections.OrderedDict = collections.OrderedDict()
         self.sites: collections.Counter = collections.Counter()   # compiled mode: signatures per site
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons: collections.Counter = collections.Counter()
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
-        # Callables given a dict per analysed segment and per compile (the explorer listens here).
-        self.observers: list = []
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -82,6 +87,8 @@ class Runtime:
                 except Unrecordable as why:
                     reason = why.reason
                 else:
+                    if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
+                        self._tracing_since = time.perf_counter()
                     DEVICE.lazy_pending = True
                     if len(self.segment) >= self.max_segment_ops:
                         self.flush("segment size bound")
@@ -92,7 +99,12 @@ class Runtime:
             else:
                 self.stats.ops_eager += 1
                 self.stats.fallback(plan_of(func).name, reason)
-            return execute(func, args, kwargs)
+            started = time.perf_counter()
+            try:
+                return execute(func, args, kwargs)
+            finally:
+                DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
+                                     reason=reason)
 
     def _random(self, func, args, kwargs):
         """Random ops draw now, in eager's order; what they read must be computed already."""
@@ -108,7 +120,8 @@ class Runtime:
     def _dropout(self, x, p):
         """native_dropout as the CPU kernel computes it: the mask now, the products lazily."""
         keep = 1.0 - p
-        mask = run(aten.empty_like.default, (x,), {"memory_format": torch.contiguous_format})
+        # preserve_format, as the CPU kernel: a transposed input draws its mask in its own layout
+        mask = run(aten.empty_like.default, (x,), {"memory_format": torch.preserve_format})
         run(aten.bernoulli_.float, (mask, keep), {})
         self.stats.random_draws += 2
         out = self.dispatch(aten.mul.Tensor, (x, mask), {})
@@ -124,45 +137,77 @@ class Runtime:
             self.segment = Segment()
             DEVICE.lazy_pending = False
             self._flushing = True
+            started, clock = time.perf_counter(), DEVICE.timeline.clock
             try:
                 self.stats.segments += 1
                 self.stats.flush_reasons[reason] += 1
                 self._run_segment(segment)
             finally:
                 self._flushing = False
+                _host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
     def _run_segment(self, segment: Segment) -> None:
-        key = (tuple(n.local for n in segment.nodes), alias_signature(segment.externals))
-        steps = self.plans.get(key)
+        locals_ = tuple(n.local for n in segment.nodes)
+        # Which external each node reads: `local` says only what its inputs look like, so
+        # sub(x1, x1) and sub(x0, x1) on equal-looking inputs would share a plan.
+        alias = (alias_signature(segment.externals), tuple(tuple(n.ext) for n in segment.nodes))
+        key = (locals_, alias)
+        cache, steps = self.plans, self.plans.get(key)
+        if steps is None:
+            key = (tuple(_without_floats(n.local) if n.floats else n.local for n in segment.nodes), alias)
+            cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
         if steps is not None:
             missed = self._guard_miss(segment, steps)
             if missed is None:
-                self.plans.move_to_end(key)
+                cache.move_to_end(key)
+                dynamic = cache is self.dynamic_plans
+                if dynamic:
+                    self._count_dynamic_steps(segment, steps)
+                if self.observers:
+                    self._notify(_replay_event(segment, steps, dynamic))
                 return self._run_steps(segment, steps)
-            self._forget(key, segment, steps, missed)
+            self._forget(cache, key, segment, steps, missed)
             return self._run_steps(segment, [("node", i) for i in range(len(segment.nodes))])
-        steps, final = self._plan(segment)
+        steps, final, reusable = self._plan(segment)
         if final:
-            self.plans[key] = steps
-            if len(self.plans) > config.region_cache_size:
-                self.plans.popitem(last=False)
+            _bounded_put(self.plans, (locals_, alias), steps)
+        elif reusable:
+            # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
+            # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
+            members = tuple(n for kind, what in steps if kind == "region" for n in what[0].nodes)
+            _bounded_put(self.dynamic_plans, key, (steps, members, tuple(locals_[n] for n in members)))
         self._run_steps(segment, steps)
+
+    def _dynamic_plan(self, key, locals_):
+        cached = self.dynamic_plans.get(key)
+        if cached is None:
+            return None
+        steps, members, member_locals = cached
+        return steps if tuple(locals_[n] for n in members) == member_locals else None
+
+    def _count_dynamic_steps(self, segment: Segment, steps) -> None:
+        for kind, what in steps:
+            if kind == "node":
+                self._count_dynamic(segment.nodes[what], True)
 
     def _plan(self, segment: Segment):
         nodes = segment.nodes
+        self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
             self.seen[fp] += 1
         compiling = self.mode != "eager"
         threshold = 1 if self.mode == "compiled" else self.threshold
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen[n.fp] >= threshold}
         graph = analysis.dataflow_graph(nodes)
-        members = analysis.find_regions(graph, stable) if stable else []
+        # a region of views only would compile to no kernel: views are taken at record time
+        members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
+                   if any(nodes[i].kind != VIEW for i in m)]
         order = analysis.execution_order(graph, members, len(nodes))
         needed = _needed_values(segment, graph, members)
         skeleton = tuple(n.func for n in nodes)
         self.skeletons[skeleton] += 1
         dynamic = self.skeletons[skeleton] > threshold
-        steps, final = [], len(stable) == len(nodes)
+        steps, final, compiled_all = [], len(stable) == len(nodes), True
         for kind, what in order:
             if kind == "node":
                 steps.append(("node", what))
@@ -172,14 +217,14 @@ class Runtime:
             region = describe(segment, members[what], needed)
             entry = self._entry(segment, region)
             if entry is None:
-                final = False
+                final = compiled_all = False
                 steps.extend(("node", i) for i in region.nodes)
             else:
                 steps.append(("region", (region, entry)))
         self.stats.regions_found += len(members)
         if self.observers:
             self._notify(_segment_event(segment, graph, stable, steps, dynamic))
-        return steps, final
+        return steps, final, dynamic and compiling and compiled_all
 
     def _notify(self, event: dict) -> None:
         event["segment"] = self.stats.segments
@@ -202,6 +247,11 @@ class Runtime:
             self.regions.move_to_end(region.key)
             return entry
         self.stats.cache_misses += 1
+        if writes_shared_input(segment, region):
+            self.regions[region.key] = _FAILED
+            self.stats.fallback("<region>", "writes memory that two of its inputs share", len(region.nodes),
+                                source=False)
+            return None
         if self.mode == "compiled":
             site = tuple(segment.nodes[n].func for n in region.nodes)
             self.sites[site] += 1
@@ -231,6 +281,7 @@ class Runtime:
                                 len(region.nodes), source=False)
             return None
         seconds = time.perf_counter() - started
+        DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
         if self.observers:
             self._notify({"kind": "compile", "region": name, "ops": len(region.nodes), "host_start": started,
                           "seconds": seconds, "kernels": len(compiled.cost),
@@ -255,9 +306,9 @@ class Runtime:
                         return "an intermediate the kernel keeps on chip is still referenced"
         return None
 
-    def _forget(self, key, segment: Segment, steps, reason: str) -> None:
+    def _forget(self, cache, key, segment: Segment, steps, reason: str) -> None:
         """A guard missed: run eagerly this time and let the regions warm up again."""
-        del self.plans[key]
+        del cache[key]
         self.stats.guard_misses[reason] += 1
         for kind, what in steps:
             if kind == "region":
@@ -298,6 +349,37 @@ def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -
              for i, n in enumerate(segment.nodes)]
     return {"kind": "segment", "host_time": time.perf_counter(), "nodes": nodes,
             "edges": [list(edge) for edge in graph.edges]}
+
+
+def _host_spans(number: int, reason: str, ops: int, traced_from: float, started: float, clock: float) -> None:
+    """The segment's spans on the timeline's host lanes: recording its ops, then the flush."""
+    timeline = DEVICE.timeline
+    timeline.host("tracing", f"segment {number}", traced_from, started - traced_from, ops=ops)
+    timeline.host("flush", f"flush: {reason}", started, time.perf_counter() - started, segment=number, ops=ops,
+                  simulated_us=[clock * 1e6, timeline.clock * 1e6])
+
+
+def _replay_event(segment: Segment, steps, dynamic: bool) -> dict:
+    """The segment event of a cached plan's replay (built only while someone observes)."""
+    in_regions = {n for kind, what in steps if kind == "region" for n in what[0].nodes}
+    event = _segment_event(segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic)
+    event["replayed"] = True
+    return event
+
+
+def _bounded_put(cache: collections.OrderedDict, key, value) -> None:
+    cache[key] = value
+    if len(cache) > config.region_cache_size:
+        cache.popitem(last=False)
+
+
+def _without_floats(value):
+    """The value with every float replaced by one marker: the structure of a segment's ops."""
+    if type(value) is float:
+        return _FLOAT
+    if type(value) is tuple:
+        return tuple(_without_floats(v) for v in value)
+    return value
 
 
 def _replay(node) -> None:

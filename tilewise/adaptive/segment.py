@@ -34,7 +34,7 @@ class Unrecordable(TilewiseError):
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs")
+                 "roots", "srcs", "inputs", "floats")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
@@ -78,6 +78,7 @@ class Segment:
         node = Node()
         node.func, node.plan = func, plan
         node.srcs = []   # (segment node index, output index) of in-segment inputs
+        node.floats = False  # has float constants (which may change from flush to flush)
         # Every host tensor the op reads, flattened in argument order. Python scalars are
         # constants of the node (and of any region compiled from it): the compiler specialises on
         # them, so a changed value is a new signature.
@@ -132,18 +133,24 @@ class Segment:
         if isinstance(arg, torch.Tensor):
             if arg.dim() != 0 or arg.device.type != "cpu":
                 raise Unrecordable("host tensor argument")
-            # A CPU scalar is read at flush time: keep a private copy of today's value.
+            # A CPU scalar is read at flush time: keep a private copy of today's value. It is an
+            # input of any region compiled from this node, so its value is not part of the key.
             arg = arg.clone()
             node.inputs.append(arg)
-            descr.append(("cpu-scalar", arg.dtype, arg.item()))
+            descr.append(("cpu-scalar", arg.dtype))
             return arg
-        descr.append(arg)
+        if type(arg) is float:
+            node.floats = True
+        # 0 == 0.0 == False, but the scalar's type decides the result's dtype (x * 0 vs x * 0.0)
+        descr.append((type(arg), arg) if type(arg) is float or type(arg) is bool else arg)
         return arg
 
     # -- outputs -------------------------------------------------------------------------------
     def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache: dict):
         node.wrappers = None
         node.roots = None
+        if plan.metadata_mutating:  # squeeze_, t_, resize_...: the wrapper must change shape now
+            raise Unrecordable("changes a tensor's shape or strides in place")
         if plan.aliases is not None:
             if None in plan.aliases:
                 raise Unrecordable("returns both inputs it wrote and new tensors")
@@ -189,7 +196,9 @@ def _metadata(data: torch.Tensor) -> tuple:
 def _meta_outputs(node: Node):
     """Run the op's meta kernel once per signature: (returns a tuple?, [(shape, stride, dtype)])."""
     meta_args = [_to_meta(a) for a in node.args]
-    meta_kwargs = {k: _to_meta(v) for k, v in node.kwargs.items()}
+    # A factory naming the neuron device (new_zeros(x, ..., device=neuron) in autograd's backward)
+    # would otherwise make a real device tensor here, whose eager run flushes this very segment.
+    meta_kwargs = {k: "meta" if k == "device" else _to_meta(v) for k, v in node.kwargs.items()}
     try:
         out = node.func(*meta_args, **meta_kwargs)
     except Exception as error:  # no meta kernel, or one that needs data: run it eagerly

@@ -18,12 +18,6 @@ class Tracer(TorchDispatchMode):
         self.runtime = runtime
         self.lazy = mode != "eager"
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # PyTorch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless told otherwise;
-        # that wrapper costs ~2 us on every op, and nothing compiles inside this handler.
-        return False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if NeuronTensor not in types:

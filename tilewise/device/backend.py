@@ -21,6 +21,17 @@ def register() -> None:
     sys.modules["torch.neuron"] = neuron_module
 
 
+def use_foreach_optimizers(tensor_type: type) -> None:
+    """torch.optim picks its foreach (multi-tensor) update only for plain tensors on foreach
+    devices; our device tensor is a subclass, so without this a user moving from CUDA would get
+    the slower for-loop update (bitwise the same results on CPU, but one op per parameter)."""
+    from torch.optim import optimizer
+
+    supported = optimizer._foreach_supported_types
+    if tensor_type not in supported:
+        supported.append(tensor_type)
+
+
 def allow_loading(*callables) -> None:
     """torch.load(weights_only=True) rebuilds device tensors only through allowlisted callables."""
     torch.serialization.add_safe_globals(list(callables))

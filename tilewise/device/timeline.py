@@ -7,6 +7,8 @@ import threading
 from typing import NamedTuple
 
 ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA")
+# What the host does around the device, on the host's wall clock (time.perf_counter seconds).
+HOST_LANES = ("tracing", "flush", "compilation", "eager ops")
 
 
 class Kernel(NamedTuple):
@@ -18,6 +20,15 @@ class Kernel(NamedTuple):
     hbm_bytes: int
     flops: int
     region: str | None = None
+
+
+class HostEvent(NamedTuple):
+    """A span of host work: `start` in time.perf_counter() seconds, `args` shown in the trace."""
+    lane: str
+    name: str
+    start: float
+    duration: float
+    args: dict
 
 
 _new_tuple = tuple.__new__
@@ -39,6 +50,8 @@ class Timeline:
             if max_events is not None:
                 self._max_events = max_events
             self.events: collections.deque[Kernel] = collections.deque(maxlen=self._max_events)
+            # Host spans come once per flush, compile or eager fallback, never per recorded op.
+            self.host_events: collections.deque[HostEvent] = collections.deque(maxlen=self._max_events)
             self.clock = 0.0
             self.kernels = 0
             self.hbm_bytes = 0
@@ -54,21 +67,53 @@ class Timeline:
             self.hbm_bytes += hbm_bytes
             self.flops += flops
 
-    def chrome_trace(self) -> dict:
-        """Trace Event Format (loads in Perfetto and chrome://tracing); one lane per engine."""
-        lanes = {engine: tid for tid, engine in enumerate(ENGINES, start=1)}
-        meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "NeuronCore (simulated)"}}]
-        meta += [{"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": engine}}
-                 for engine, tid in lanes.items()]
-        events = [
-            {"ph": "X", "pid": 1, "tid": lanes.get(k.engine, len(lanes) + 1), "name": k.name,
-             "ts": k.start * 1e6, "dur": k.duration * 1e6,
-             "args": {"hbm_bytes": k.hbm_bytes, "flops": k.flops, "region": k.region}}
-            for k in list(self.events)
-        ]
-        return {"traceEvents": meta + events, "displayTimeUnit": "ns"}
+    def host(self, lane: str, name: str, start: float, duration: float, **args) -> None:
+        """Record a span of host work (a lane of HOST_LANES) that started at perf_counter() `start`."""
+        self.host_events.append(HostEvent(lane, name, start, duration, args))
+
+    def chrome_trace(self, kernels=None, host_events=None) -> dict:
+        """Trace Event Format (loads in Perfetto and chrome://tracing).
+
+        Process 1 is the device on the simulated clock, one lane per engine; process 2 is the host
+        on its wall clock (from its first span), one lane per HOST_LANES entry. The two clocks are
+        unrelated: each flush span carries the simulated time its kernels ran at, in its args.
+        `kernels` and `host_events` default to everything kept.
+        """
+        kernels = list(self.events) if kernels is None else kernels
+        host_events = list(self.host_events) if host_events is None else host_events
+        return {"traceEvents": _lanes(1, "NeuronCore (simulated clock)", _ENGINE_TID)
+                + _lanes(2, "Host (wall clock)", _HOST_TID)
+                + [_kernel_event(k) for k in kernels] + _host_trace(host_events),
+                "displayTimeUnit": "ns"}
 
     def export_chrome_trace(self, path: str) -> str:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
         return path
+
+
+# Thread ids unique across both processes: some trace viewers key threads by tid alone.
+_ENGINE_TID = {engine: tid for tid, engine in enumerate(ENGINES, start=1)}
+_HOST_TID = {lane: tid for tid, lane in enumerate(HOST_LANES, start=101)}
+
+
+def _lanes(pid: int, process: str, tids: dict) -> list[dict]:
+    meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": process}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}]
+    for name, tid in tids.items():
+        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    return meta
+
+
+def _kernel_event(k: Kernel) -> dict:
+    return {"ph": "X", "pid": 1, "tid": _ENGINE_TID.get(k.engine, len(ENGINES) + 1), "name": k.name,
+            "cat": k.region or "eager", "ts": k.start * 1e6, "dur": k.duration * 1e6,
+            "args": {"hbm_bytes": k.hbm_bytes, "flops": k.flops, "region": k.region}}
+
+
+def _host_trace(host_events) -> list[dict]:
+    origin = min((e.start for e in host_events), default=0.0)
+    return [{"ph": "X", "pid": 2, "tid": _HOST_TID.get(e.lane, 100), "name": e.name,
+             "cat": e.lane, "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6, "args": e.args}
+            for e in host_events]
