@@ -1,0 +1,175 @@
+"""The explorer: a recorded run's trace, its HTML report (checked in headless Chromium) and the CLI."""
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import tilewise
+import tilewise.explorer
+from tilewise.__main__ import main as cli_main
+from tilewise.explorer import summary
+from tilewise.explorer.graph import MAX_NODES, segment_svg
+from tilewise.explorer.report import MAX_GROUPS_DRAWN
+from tilewise.workloads import train_mlp, train_seq
+
+DYNAMIC = "dynamic: its input shapes or constants change"
+ADAM_OPS = ("lerp", "addcmul", "sqrt")  # substrings: the for-loop and the _foreach_ Adam both match
+BROWSERS = ("chromium", "chromium-browser")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+@pytest.fixture(scope="module")
+def seq_run():
+    """train_seq for 8 steps: lengths 5, 9, 12, 7 repeat, so the optimizer's regions compile and
+    the forward and backward stay dynamic."""
+    tilewise.reset_caches()
+    with tilewise.config.patch(threshold=3), tilewise.explorer.record() as recorder:
+        train_seq("neuron", mode="adaptive", steps=8)
+    return recorder.run()
+
+
+def test_recorded_run_has_optimizer_regions_and_dynamic_fallbacks(seq_run):
+    data = seq_run.data
+    assert data["stats"]["compiles"] >= 1 and data["settings"]["mode"] == "adaptive"
+    optimizer = _optimizer_regions(data)
+    assert optimizer, [r["op_names"] for r in summary.region_rows(data)]
+    assert all(r["kernels"] > 0 and r["hits"] > 0 for r in optimizer)
+    assert any(f["reason"] == DYNAMIC for f in data["stats"]["fallbacks"])
+    groups, _ = summary.segment_groups(data)
+    folded = [g for g in groups if len(g["segments"]) > 1]
+    # The dynamic steps repeat one structure with new lengths: one group, several shape signatures.
+    assert folded and max(g["shape_variants"] for g in folded) > 1
+    assert sum(len(g["segments"]) for g in groups) == data["stats"]["segments"]
+
+
+def _optimizer_regions(data):
+    return [r for r in summary.region_rows(data) if all(any(op in name for name in r["op_names"]) for op in ADAM_OPS)]
+
+
+def test_trace_is_valid_trace_json_with_engine_and_host_lanes(seq_run, tmp_path):
+    path = seq_run.write_trace(tmp_path / "run.trace.json")
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    assert all(e["ph"] in ("M", "X") and isinstance(e["pid"], int) for e in events)
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], float) and e["dur"] >= 0 and (e["pid"], e["tid"]) in lanes for e in spans)
+    used = {lanes[(e["pid"], e["tid"])] for e in spans}
+    assert {"TensorEngine", "VectorEngine", "DMA", "tracing", "flush", "compilation", "eager ops"} <= used
+    assert set(lanes.values()) >= {"TensorEngine", "VectorEngine", "ScalarEngine", "DMA"}
+    kernels = [e for e in spans if e["pid"] == 1]
+    assert len(kernels) == seq_run.data["stats"]["kernels"]
+    regions = {e["args"]["region"] for e in kernels} - {None}
+    assert regions and regions <= set(seq_run.data["stats"]["regions"])
+    assert all({"hbm_bytes", "flops", "region"} <= set(e["args"]) for e in kernels)
+
+
+def test_report_is_self_contained_and_names_regions_and_reasons(seq_run, tmp_path):
+    page = open(seq_run.write_report(tmp_path / "run.html"), encoding="utf-8").read()
+    assert not re.search(r"<link|<img|src=|@import|url\(", page)
+    assert set(re.findall(r"https?://[^\s\"']+", page)) <= {"http://www.w3.org/2000/svg"}
+    for name in seq_run.data["stats"]["regions"]:
+        assert f'data-region="{name}"' in page
+    groups, _ = summary.segment_groups(seq_run.data)
+    folded = max(groups, key=lambda g: len(g["segments"]))
+    assert f"seen {len(folded['segments']) + len(folded['replays'])} times" in page
+    assert f"{folded['shape_variants']} different shape signatures" in page and DYNAMIC in page
+
+
+def test_replayed_segments_are_folded_into_the_segment_that_made_the_plan():
+    with tilewise.config.patch(threshold=3), tilewise.explorer.record() as recorder:
+        train_mlp("neuron", mode="adaptive", steps=8)
+    groups, unmatched = summary.segment_groups(recorder.run().data)
+    owners = [g for g in groups if g["replays"]]
+    assert len(owners) == 1 and not unmatched
+    assert owners[0]["replays"] == list(range(owners[0]["segments"][-1] + 1, 9))
+    assert all(n["region"] for n in owners[0]["nodes"])
+
+
+def test_big_segment_is_cut_with_a_note(seq_run):
+    nodes = [{"index": i, "op": "add", "kind": "functional", "stable": True, "region": None,
+              "why_eager": "warming up", "shapes": [[4]]} for i in range(3 * MAX_NODES)]
+    svg = segment_svg(nodes, [[i, i + 1] for i in range(len(nodes) - 1)])
+    assert svg.count('<g class="node') == MAX_NODES
+    data = dict(seq_run.data, segment_groups=[{"segments": [1], "shape_variants": 1, "nodes": nodes,
+                                               "edges": []}], flushes=[])
+    from tilewise.explorer.report import render
+    assert f"Showing the first {MAX_NODES} of {3 * MAX_NODES} ops" in render(data)
+
+
+def test_cli_writes_report_and_trace_from_a_saved_run(seq_run, tmp_path):
+    saved = seq_run.save(tmp_path / "run.json")
+    out = tmp_path / "cli.html"
+    done = subprocess.run([sys.executable, "-m", "tilewise", "report", saved, "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == open(seq_run.write_report(tmp_path / "api.html")).read()
+    done = subprocess.run([sys.executable, "-m", "tilewise", "trace", saved], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(tmp_path / "run.trace.json") as f:
+        assert json.load(f) == seq_run.data["trace"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read run file"),
+    ("{not json", "is not JSON"),
+    ('{"stats": {}}', "is not a saved tilewise run"),
+    ('{"format": "tilewise-run", "version": 99}', "run format version 99"),
+])
+def test_cli_bad_run_file_gives_a_clear_message(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli_main(["report", str(path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "bad.html")
+
+
+def test_cli_without_a_command_prints_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([])
+    assert exit_.value.code == 2 and "usage: python -m tilewise" in capsys.readouterr().err
+
+
+def _browser():
+    for name in BROWSERS:
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("headless Chromium not installed (apt-get install -y chromium); the report's browser test "
+                "needs it")
+
+
+def _chromium(browser, profile, *args):
+    done = subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_report_renders_in_headless_chromium(seq_run, tmp_path_factory, capsys):
+    browser = _browser()
+    where = tmp_path_factory.mktemp("explorer")
+    url = "file://" + os.path.abspath(seq_run.write_report(where / "seq_report.html"))
+    dom = _chromium(browser, where / "profile", "--dump-dom", url)
+    groups, _ = summary.segment_groups(seq_run.data)
+    drawn = sum(min(len(g["nodes"]), MAX_NODES) for g in groups[:MAX_GROUPS_DRAWN])
+    # The page's script counts the op boxes the browser laid out: it ran, and the graphs rendered.
+    assert f'data-rendered-ops="{drawn}"' in dom and drawn > 0
+    optimizer = [r["name"] for r in _optimizer_regions(seq_run.data)]
+    assert optimizer and all(f'<tr class="region-row" data-region="{name}">' in dom for name in optimizer)
+    assert DYNAMIC in dom and "addcmul" in dom
+    shot = where / "seq_report.png"
+    _chromium(browser, where / "profile", f"--screenshot={shot}", "--window-size=1400,3600", url)
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1400, 3600)
+    assert len(png) > 50_000  # a blank page compresses to a few KiB
+    with capsys.disabled():
+        print(f"\nexplorer report screenshot: {shot}")

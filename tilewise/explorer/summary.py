@@ -1,0 +1,115 @@
+"""What the report shows, as plain rows computed from a run's data (no HTML here)."""
+from __future__ import annotations
+
+import collections
+
+DYNAMIC = "dynamic"
+
+
+def first_segment(group: dict) -> int:
+    """The first segment a group of identical segments was seen in, analysed or replayed."""
+    return min(group["segments"] + group.get("replays", []))
+
+
+def ranges(numbers) -> str:
+    """[3, 4, 5, 9] -> "3-5, 9": segment numbers a person can read."""
+    numbers = sorted(set(numbers))
+    spans, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            spans.append(str(start) if start == n else f"{start}\u2013{n}")
+            start = None
+    return ", ".join(spans)
+
+
+def status(node: dict) -> str:
+    """One of: compiled, dynamic, warming, uncompiled (stable, but its region did not compile)."""
+    if node["region"] is not None:
+        return "compiled"
+    why = node["why_eager"] or ""
+    if why.startswith(DYNAMIC):
+        return "dynamic"
+    return "warming" if why == "warming up" else "uncompiled"
+
+
+def segment_groups(run: dict) -> tuple[list[dict], list[int]]:
+    """The analysed segment groups, each with the segments that replayed its cached plan, and the
+    replayed segments whose plan was not recorded (made before the recording started).
+
+    A replayed segment sends its own event while the recorder listens. Only segments flushed with
+    no event (none in a recorded run since replays are reported; older saved runs) are matched by
+    guess: to the latest earlier group with as many ops, preferring one in which every op compiled.
+    """
+    groups = [dict(g, replays=list(g.get("replays", []))) for g in run.get("segment_groups", [])]
+    analysed = {n for g in groups for n in g["segments"] + g["replays"]} | set(run.get("segments_not_kept", []))
+    unmatched = []
+    for flush in run.get("flushes", []):
+        number = flush.get("segment")
+        if number is None or number in analysed:
+            continue
+        owner = _plan_owner(groups, number, flush.get("ops"))
+        (owner["replays"] if owner is not None else unmatched).append(number)
+    for group in groups:
+        group["counts"] = collections.Counter(status(n) for n in group["nodes"])
+    return groups, unmatched
+
+
+def _plan_owner(groups, number, ops):
+    earlier = [g for g in groups if first_segment(g) < number and len(g["nodes"]) == ops]
+    compiled = [g for g in earlier if all(n["region"] is not None for n in g["nodes"])]
+    return (compiled or earlier or [None])[-1]
+
+
+def region_rows(run: dict) -> list[dict]:
+    """Per compiled region: the statistics, the ops it holds, its refused fusions, its segments."""
+    ops, seen_in = collections.defaultdict(collections.Counter), collections.defaultdict(set)
+    for group in run.get("segment_groups", []):
+        for node in group["nodes"]:
+            if node["region"] is not None:
+                ops[node["region"]][node["op"]] += 1
+                seen_in[node["region"]].update(group["segments"])
+    refused = {c["region"]: c.get("refused", []) for c in run.get("compiles", [])}
+    rows = []
+    for name, region in run["stats"].get("regions", {}).items():
+        rows.append(dict(region, op_names=sorted(ops[name]), refused=refused.get(name, region.get("refused", [])),
+                         segments=ranges(seen_in[name])))
+    return rows
+
+
+def time_breakdown(trace: dict) -> dict:
+    """Simulated time per engine and per region (or eager), host time per lane, from the trace."""
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    engines, regions, host = collections.Counter(), collections.Counter(), collections.Counter()
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X":
+            continue
+        lane = lanes.get((event["pid"], event["tid"]), "other")
+        if event["pid"] == 1:
+            engines[lane] += event["dur"]
+            regions[event["args"].get("region") or "eager kernels"] += event["dur"]
+        else:
+            host[lane] += event["dur"]
+    return {"engines": engines.most_common(), "regions": regions.most_common(12), "host": host.most_common()}
+
+
+def headline(stats: dict) -> list[tuple[str, str]]:
+    """The figures a person reads first, as (label, value)."""
+    return [
+        ("segments", f"{stats['segments']}"),
+        ("ops seen", f"{stats['ops_seen']}"),
+        ("compiled", f"{100 * stats['compiled_fraction']:.1f}% of compute ops"),
+        ("ops in regions / eager", f"{stats['ops_compiled']} / {stats['ops_eager']}"),
+        ("warming up", f"{stats['warmup_ops']} ops"),
+        ("regions found", f"{stats['regions_found']}"),
+        ("compiles", f"{stats['compiles']} ({stats['compile_seconds']:.3f} s)"),
+        ("recompiles", f"{stats['recompiles']}"),
+        ("cache hits / misses", f"{stats['cache_hits']} / {stats['cache_misses']}"),
+        ("simulated device time", f"{stats['simulated_seconds'] * 1e3:.3f} ms"),
+        ("kernels", f"{stats['kernels']}"),
+        ("HBM traffic", f"{stats['hbm_bytes'] / 2**20:.2f} MiB"),
+        ("host transfers", f"{stats['transfers']}"),
+        ("random draws", f"{stats['random_draws']}"),
+    ]
