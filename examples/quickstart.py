@@ -1,18 +1,24 @@
 """Quickstart: train a small MLP classifier on the simulated NeuronCore.
 
     python examples/quickstart.py              # mode from TILEWISE_MODE, default "adaptive"
-    TILEWISE_MODE=eager python examples/quickstart.py
+    TILEWISE_MODE=eager python examples/quickstart.py --steps 40
 """
+import argparse
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import tilewise
 
+parser = argparse.ArgumentParser(description="Train a small MLP classifier on the neuron device.")
+parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+steps = parser.parse_args().steps
+
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).to("neuron")
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(20)]
+data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(steps)]
 
 with tilewise.engine():
     for step, (x, y) in enumerate(data, 1):
@@ -20,7 +26,7 @@ with tilewise.engine():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 5 == 0:
+        if step % 5 == 0 or step == steps:
             print(f"step {step:2d}  loss {loss.item():.4f}")
 
 stats = tilewise.stats()

@@ -1,0 +1,367 @@
+"""Every workload under every contender, side by side: host and simulated time per step, kernels,
+compiles, cache hits, time until the first compiled step and the total time including compilation.
+
+Workloads: an MLP training step, a small GPT training step (AdamW), a memory-bound elementwise
+chain (GELU written out as 8 ops, then mean/variance normalisation over the last dim of a
+4096 x 1024 float32 tensor) and a sequence model whose batch length changes every step.
+Contenders: plain CPU eager, torch.compile with inductor (CPU), tilewise eager / adaptive / compiled.
+
+The engine's caches and statistics are process-wide, so each contender runs in a worker process of
+its own (two tilewise modes in one process would share compiled regions). The coordinator asks the
+workers for one step each in turn, in alternating order, so the load of this shared machine falls
+on all of them alike; per-step figures are medians over all steps, compilation included.
+
+    python benchmarks/run.py                     # full setting, the README table (~10 min here)
+    python benchmarks/run.py --quick --json out.json   # smoke test: few steps, smaller sizes, no inductor
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
+TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "tilewise compiled": "compiled"}
+# Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
+STEPS = {"mlp": (60, 4), "gpt": (30, 3), "chain": (20, 3), "seq": (40, 5)}
+INDUCTOR_SKIPPED = "skipped in --quick: inductor compiles for 17-40 s cold per graph here (run without --quick)"
+
+
+# -- workloads: each builds its model and data, and returns one training (or forward) step ---------
+def _sync(device: str) -> None:
+    if device == "neuron":
+        import tilewise
+        tilewise.sync()
+
+
+def mlp(device: str, wrap, steps: int, quick: bool):
+    from tilewise.workloads import MLP
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    forward = wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = [(torch.randn(64, 32), torch.randint(0, 10, (64,))) for _ in range(steps)]
+
+    def step(i: int) -> float:
+        x, y = data[i]
+        loss = F.cross_entropy(forward(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def gpt(device: str, wrap, steps: int, quick: bool):
+    from tilewise.workloads import TinyGPT, text_batches
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    forward = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = text_batches(steps)
+
+    def step(i: int) -> float:
+        x, y = data[i]
+        logits = forward(x.to(device))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def gelu_norm(x):
+    y = 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+    mean = y.mean(-1, keepdim=True)
+    return (y - mean) / torch.sqrt(((y - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+
+
+def chain(device: str, wrap, steps: int, quick: bool):
+    torch.manual_seed(0)
+    x = torch.randn(512 if quick else 4096, 1024).to(device)
+    forward = wrap(gelu_norm)
+
+    def step(i: int) -> None:
+        out = forward(x)
+        _sync(device)  # while `out` is alive: the engine computes what is still referenced
+        del out
+
+    return step
+
+
+def seq(device: str, wrap, steps: int, quick: bool):
+    from tilewise.workloads import SeqClassifier, seq_batches
+    torch.manual_seed(0)
+    model = SeqClassifier().to(device)
+    forward = wrap(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = seq_batches(steps)
+
+    def step(i: int) -> float:
+        tokens, labels = data[i]
+        loss = F.cross_entropy(forward(tokens.to(device)), labels.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+WORKLOADS = {
+    "mlp": (mlp, "MLP 32-64-10 training step, batch 64, SGD"),
+    "gpt": (gpt, "TinyGPT (2 layers, dim 32, 2 heads, len 16) training step, batch 4, AdamW"),
+    "chain": (chain, "GELU as 8 ops + mean/variance norm over the last dim, {rows}x1024 f32, forward"),
+    "seq": (seq, "sequence classifier, batch length 5/9/12/7 in turn, Adam training step"),
+}
+
+
+# -- one contender in its own process ---------------------------------------------------------------
+class Meter:
+    """Times steps and reads the engine's counters around each one."""
+
+    def __init__(self, contender: str):
+        self.tilewise = contender in TILEWISE_MODES
+        self.inductor = contender == "inductor"
+        self.samples: list[dict] = []
+
+    def step(self, step, i: int) -> dict:
+        before = self._counters()
+        started = time.perf_counter()
+        step(i)
+        seconds = time.perf_counter() - started
+        after = self._counters()
+        sample = {"host_s": seconds, **{k: after[k] - before[k] for k in after}}
+        self.samples.append(sample)
+        return sample
+
+    def _counters(self) -> dict:
+        if not self.tilewise:
+            return {}
+        import tilewise
+        s = tilewise.stats()
+        return {"simulated_s": s.simulated_seconds, "kernels": s.kernels, "ops_compiled": s.ops_compiled}
+
+    def totals(self) -> dict:
+        if not self.tilewise:
+            from torch._dynamo.utils import counters
+            return {"compiles": counters["stats"]["unique_graphs"]} if self.inductor else {}
+        import tilewise
+        s = tilewise.stats()
+        return {"compiles": s.compiles, "compile_s": s.compile_seconds, "cache_hits": s.cache_hits,
+                "cache_misses": s.cache_misses, "compiled_fraction": s.compiled_fraction}
+
+
+def _contender_setup(contender: str):
+    """(device, how the model is wrapped, the block the steps run in) for one contender."""
+    if contender == "cpu eager":
+        return "cpu", (lambda fn: fn), contextlib.nullcontext()
+    if contender == "inductor":
+        return "cpu", torch.compile, contextlib.nullcontext()
+    import tilewise  # noqa: F401  registers the neuron device before the workload moves data there
+    return "neuron", (lambda fn: fn), _tilewise_block(TILEWISE_MODES[contender])
+
+
+@contextlib.contextmanager
+def _tilewise_block(mode: str):
+    import tilewise
+    with tilewise.config.patch(cache_dir=""), tilewise.engine(mode=mode):  # cold: no kernels from disk
+        yield
+
+
+def _start_cold(contender: str) -> None:
+    """Forget what an earlier workload compiled, so every workload starts cold for every contender."""
+    if contender == "inductor":
+        import torch._functorch.config
+        import torch._inductor.config
+        from torch._dynamo.utils import counters
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+        torch._dynamo.reset()
+        counters.clear()
+    elif contender in TILEWISE_MODES:
+        import tilewise
+        tilewise.reset_caches()
+        tilewise.stats().reset()
+
+
+def worker(conn, contender: str, threads: int) -> None:
+    """One contender, for every workload the coordinator sends: set up, then one step per request."""
+    torch.set_num_threads(threads)
+    for workload, steps, quick in iter(conn.recv, None):
+        try:
+            _start_cold(contender)
+            device, wrap, block = _contender_setup(contender)
+            step = WORKLOADS[workload][0](device, wrap, steps, quick)
+            meter = Meter(contender)
+            conn.send("ready")
+            with block:
+                for i in range(steps):
+                    conn.recv()
+                    conn.send(meter.step(step, i))
+            conn.send(meter.totals())
+        except Exception:  # the coordinator reports it in the table and the JSON, and goes on
+            conn.send({"error": traceback.format_exc()})
+
+
+# -- the coordinator --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def workers(contenders: list[str], threads: int):
+    """A process per contender: the engine's caches and statistics are process-wide."""
+    context = multiprocessing.get_context("spawn")
+    pipes, processes = {}, []
+    # inductor's kernel cache in a fresh directory: its compiles are as cold as tilewise's
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilewise-bench-inductor-")
+    for contender in contenders:
+        parent, child = context.Pipe()
+        process = context.Process(target=worker, args=(child, contender, threads), daemon=True)
+        process.start()
+        pipes[contender] = parent
+        processes.append(process)
+    try:
+        yield pipes
+    finally:
+        for pipe in pipes.values():
+            pipe.send(None)
+        for process in processes:
+            process.join(timeout=30)
+        shutil.rmtree(os.environ.pop("TORCHINDUCTOR_CACHE_DIR"), ignore_errors=True)
+
+
+def run_workload(pipes: dict, workload: str, steps: int, quick: bool) -> dict[str, dict]:
+    for pipe in pipes.values():
+        pipe.send((workload, steps, quick))
+    first = {c: pipe.recv() for c, pipe in pipes.items()}  # "ready", or the error of a failed set-up
+    live = [c for c in pipes if first[c] == "ready"]
+    results = {c: first[c] for c in pipes if c not in live}
+    samples = {c: [] for c in live}
+    for i in range(steps):
+        for contender in (list(live) if i % 2 == 0 else list(reversed(live))):
+            pipes[contender].send(i)
+            answer = pipes[contender].recv()
+            if "error" in answer:
+                results[contender] = answer
+                live.remove(contender)
+            else:
+                samples[contender].append(answer)
+    for contender in live:
+        totals = pipes[contender].recv()
+        results[contender] = totals if "error" in totals else summarise(samples[contender], totals)
+    return results
+
+
+def summarise(samples: list[dict], totals: dict) -> dict:
+    host = [s["host_s"] for s in samples]
+    result = {"steps": len(samples), "host_ms_per_step": 1e3 * statistics.median(host),
+              "total_s": sum(host), "first_compiled_s": _first_compiled(samples, totals), **totals}
+    if "simulated_s" in samples[0]:
+        result["simulated_ms_per_step"] = 1e3 * statistics.median(s["simulated_s"] for s in samples)
+        result["kernels_per_step"] = statistics.median(s["kernels"] for s in samples)
+        lookups = totals["cache_hits"] + totals["cache_misses"]
+        result["cache_hit_rate"] = totals["cache_hits"] / lookups if lookups else None
+    return result
+
+
+def _first_compiled(samples: list[dict], totals: dict) -> float | None:
+    """Host seconds from the first step to the end of the first step that ran compiled code."""
+    elapsed = 0.0
+    for sample in samples:
+        elapsed += sample["host_s"]
+        if sample.get("ops_compiled", 0) > 0 or ("ops_compiled" not in sample and totals.get("compiles")):
+            return elapsed
+    return None
+
+
+# -- output -----------------------------------------------------------------------------------------
+COLUMNS = ("contender", "host ms/step", "vs cpu", "sim ms/step", "kernels/step", "compiles", "cache hits",
+           "1st compiled s", "total s")
+
+
+def table(results: dict[str, dict]) -> str:
+    base = results.get("cpu eager", {}).get("host_ms_per_step")
+    widths = (18, 13, 8, 12, 13, 9, 11, 15, 9)
+    lines = ["".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
+    for contender, r in results.items():
+        if "error" in r or "skipped" in r:
+            why = r.get("skipped") or r["error"].strip().splitlines()[-1]
+            lines.append(f"{contender:<18} {why}")
+            continue
+        cells = (r["host_ms_per_step"], r["host_ms_per_step"] / base if base else None,
+                 r.get("simulated_ms_per_step"), r.get("kernels_per_step"), r.get("compiles"),
+                 r.get("cache_hit_rate"), r["first_compiled_s"], r["total_s"])
+        formats = ("{:.2f}", "{:.2f}x", "{:.3f}", "{:.0f}", "{}", "{:.0%}", "{:.2f}", "{:.2f}")
+        lines.append(f"{contender:<18}" + "".join(
+            f"{'-' if v is None else f.format(v):>{w}}" for v, f, w in zip(cells, formats, widths[1:])))
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    return {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "date": datetime.date.today().isoformat()}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: few steps, small sizes, no inductor")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of "
+                        + ", ".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, help="steps per workload (default: per workload, see STEPS)")
+    parser.add_argument("--inductor", action="store_true", help="run inductor even with --quick")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per contender (default 1: on a shared machine a parallel op "
+                             "waits for its slowest thread, and the contenders' ratios drown in that noise)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; expected some of {list(WORKLOADS)}")
+    with_inductor = args.inductor or not args.quick
+    report = {"machine": machine(), "quick": args.quick, "threads": args.threads, "inductor_note": None if with_inductor else INDUCTOR_SKIPPED,
+              "workloads": {}}
+    print(f"tilewise benchmarks ({'quick' if args.quick else 'full'}; {report['machine']['cores']} cores, "
+          f"torch {torch.__version__}, {report['machine']['date']}, {args.threads} intra-op thread(s) per contender); "
+          "contenders alternate step by step, "
+          "each in its own process; per-step figures are medians over all steps, compilation included")
+    if not with_inductor:
+        print(f"inductor: {INDUCTOR_SKIPPED}")
+    started = time.perf_counter()
+    with workers([c for c in CONTENDERS if with_inductor or c != "inductor"], args.threads) as pipes:
+        for name in names:
+            steps = args.steps or STEPS[name][args.quick]
+            results = run_workload(pipes, name, steps, args.quick)
+            if not with_inductor:
+                results["inductor"] = {"skipped": INDUCTOR_SKIPPED}
+            results = {c: results[c] for c in CONTENDERS}
+            description = WORKLOADS[name][1].format(rows=512 if args.quick else 4096)
+            report["workloads"][name] = {"description": description, "steps": steps, "contenders": results}
+            print(f"\n{name}: {description}; {steps} steps\n{table(results)}", flush=True)
+    report["wall_s"] = time.perf_counter() - started
+    print(f"\nwall time {report['wall_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
