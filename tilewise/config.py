@@ -32,7 +32,7 @@ def _int_at_least(low: int) -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
         try:
             number = int(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
             number = None
         if number is None or (isinstance(value, float) and not value.is_integer()) or number < low:
             raise ConfigError(f"{name} must be a whole number >= {low}; got {value!r}")

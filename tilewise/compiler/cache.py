@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 
 import torch
 
@@ -32,6 +33,7 @@ class CacheStats:
 
     def reset(self) -> None:
         self.compiles = self.memory_hits = self.disk_hits = self.disk_writes = self.corrupt = 0
+        self.disk_errors = 0  # cache directory or entry that could not be used (warned once)
 
 
 stats = CacheStats()
@@ -61,13 +63,17 @@ def compile_cached(gm, example_inputs, spec, name) -> CompiledRegion:
         stats.memory_hits += 1
         _memory.move_to_end(key)
         return _memory[key]
-    directory = config.cache_dir
+    directory = _private_directory(config.cache_dir) if config.cache_dir else None
     compiled = _load(directory, key, spec) if directory else None
     if compiled is None:
         stats.compiles += 1
         compiled = compile_uncached(gm, example_inputs, spec, name)
         if directory:
-            _store(directory, key, compiled)
+            try:
+                _store(directory, key, compiled)
+            except OSError as error:  # a full disk or read-only directory costs the cache, not the compile
+                stats.disk_errors += 1
+                _warn_once(f"tilewise: could not write the compile cache entry in {directory}: {error}")
     _memory[key] = compiled
     if len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
@@ -87,10 +93,37 @@ def _payload(key: str, compiled: CompiledRegion) -> bytes:
     }).encode()
 
 
+def _private_directory(directory: str) -> str | None:
+    """The cache directory, created private to the user (0o700); None (memory only, with a
+    warning) when it cannot be made, or when others could write entries into it."""
+    try:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)  # makedirs' mode is filtered by the umask
+        info = os.stat(directory)
+    except OSError as error:
+        stats.disk_errors += 1
+        _warn_once(f"tilewise: compile cache directory {directory} is unusable ({error}); caching in memory only")
+        return None
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        stats.disk_errors += 1
+        _warn_once(f"tilewise: compile cache directory {directory} is not private to this user (owner uid "
+                   f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}); others could plant entries, so it is not "
+                   f"used. Use a directory of your own with mode 0o700.")
+        return None
+    return directory
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _store(directory: str, key: str, compiled: CompiledRegion) -> None:
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)  # makedirs' mode is filtered by the umask
     payload = _payload(key, compiled)
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".twc")
@@ -112,6 +145,10 @@ def _load(directory: str, key: str, spec) -> CompiledRegion | None:
         with open(_path(directory, key), "rb") as f:
             data = f.read()
     except FileNotFoundError:
+        return None
+    except OSError as error:  # unreadable (a directory in its place, permissions): recompile
+        stats.corrupt += 1
+        _warn_once(f"tilewise: could not read compile cache entry {_path(directory, key)}: {error}")
         return None
     digest, _, payload = data.partition(b"\n")
     if hashlib.sha256(payload).hexdigest().encode() != digest:

@@ -81,6 +81,26 @@ def flat_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+def host_factories(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with every factory that names the neuron device making a host buffer instead.
+
+    A region's inputs are the host buffers standing for HBM, and so must be what it creates (the
+    autograd engine's `new_empty_strided(grad, ..., device=neuron)` for a gradient, say): a device
+    tensor made inside the graph would meet host tensors in the next op."""
+    if not any(_names_neuron(node.kwargs.get("device")) for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if _names_neuron(node.kwargs.get("device")):
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _names_neuron(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
+
+
 def _tracing_inputs(example_inputs) -> list:
     # Meta inputs would clash with CPU constants inside the graph; an uninitialised host tensor is
     # free (the OS maps its pages lazily) and the trace only reads its metadata.
@@ -89,7 +109,7 @@ def _tracing_inputs(example_inputs) -> list:
 
 
 def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
-    flat = flat_module(gm)
+    flat = host_factories(flat_module(gm))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 

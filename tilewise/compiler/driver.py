@@ -87,12 +87,57 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | N
     if spec is None:
         from ..device.runtime import DEVICE
         spec = DEVICE.spec
+    _check_arguments(gm, example_inputs, spec, name)
     return cache.compile_cached(gm, list(example_inputs), spec, name)
+
+
+def _check_arguments(gm, example_inputs, spec, name) -> None:
+    """Bad arguments are ConfigErrors that say what was expected, before any pass runs."""
+    from ..errors import ConfigError
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise ConfigError(f"compile_graph expects a torch.fx.GraphModule (e.g. from make_fx); got {type(gm).__name__}")
+    if not isinstance(example_inputs, (list, tuple)):
+        raise ConfigError(f"compile_graph expects example_inputs as a list or tuple; got {type(example_inputs).__name__}")
+    bad = [type(v).__name__ for v in example_inputs if not isinstance(v, (torch.Tensor, int, float, bool, torch.SymInt))]
+    if bad:
+        raise ConfigError(f"example_inputs must be tensors or numbers; got {', '.join(bad)}")
+    placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+    if placeholders != len(example_inputs):
+        raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
+    if not isinstance(spec, DeviceSpec):
+        raise ConfigError(f"spec must be a DeviceSpec (tilewise.device.PRESETS: trn2, trn3) or None; got {spec!r}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name must be a non-empty string; got {name!r}")
 
 
 def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> CompiledRegion:
     start = time.perf_counter()
     region, texts = run_passes(gm, example_inputs, spec, name)
-    return CompiledRegion(name, region.gm, region.kernels, region.cost,
-                          [(what, str(reason)) for what, reason in region.refused], texts,
-                          time.perf_counter() - start, spec)
+    compiled = CompiledRegion(name, region.gm, region.kernels, region.cost,
+                              [(what, str(reason)) for what, reason in region.refused], texts,
+                              time.perf_counter() - start, spec)
+    _smoke_run(compiled, example_inputs)
+    return compiled
+
+
+def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
+    """Run the executable once on copies of the example inputs: a decomposition that cannot run
+    for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
+    full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
+    cache hit. Skipped for fake, meta and symbolic inputs (tracing-time compiles)."""
+    from ..errors import CompileError
+    if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
+               else isinstance(t, (int, float, bool)) for t in example_inputs):
+        return
+    try:
+        compiled.run(*[_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+    except Exception as error:
+        raise CompileError(f"the compiled region fails on its example inputs: {type(error).__name__}: "
+                           f"{error}") from error
+
+
+def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """Zeros with the input's size, strides and storage offset. Zeros, not a copy: the inputs of a
+    region compiled before it runs may not be computed yet, and zero is a valid index anywhere."""
+    base = torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype)
+    return base.as_strided(t.size(), t.stride(), t.storage_offset())

@@ -23,30 +23,54 @@ def current_device() -> int:
     return 0
 
 
-def set_device(device) -> None:
-    index = torch.device(device).index if not isinstance(device, int) else device
+def _check(device) -> None:
+    """Accept what torch.cuda accepts for its one device here: None, 0, "neuron", "neuron:0"."""
+    if device is None:
+        return
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise DeviceError(f"expected a neuron device (None, 0, 'neuron', 'neuron:0' or a torch.device); "
+                          f"got {device!r}")
+    if isinstance(device, int):
+        index = device
+    else:
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            raise DeviceError(f"expected a neuron device ('neuron' or 'neuron:0'); got {device!r}") from None
+        if parsed.type != "neuron":
+            raise DeviceError(f"expected a neuron device ('neuron' or 'neuron:0'); got {device!r}")
+        index = parsed.index
     if index not in (None, 0):
         raise DeviceError(f"neuron:{index} does not exist: tilewise simulates one NeuronCore, neuron:0")
 
 
+def set_device(device) -> None:
+    _check(device)
+
+
 def synchronize(device=None) -> None:
     """Wait for pending device work: flushes the lazy segment of an active engine."""
+    _check(device)
     DEVICE.synchronize()
 
 
 def memory_allocated(device=None) -> int:
+    _check(device)
     return DEVICE.hbm.in_use
 
 
 def max_memory_allocated(device=None) -> int:
+    _check(device)
     return DEVICE.hbm.peak
 
 
 def memory_stats(device=None) -> dict[str, int]:
+    _check(device)
     return DEVICE.hbm.stats()
 
 
 def reset_peak_memory_stats(device=None) -> None:
+    _check(device)
     DEVICE.hbm.reset_peak()
 
 
@@ -73,10 +97,12 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device=None) -> torch.Tensor:
+    _check(device)
     return torch.default_generator.get_state()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
+    _check(device)
     torch.default_generator.set_state(state)
 
 

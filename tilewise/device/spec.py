@@ -45,6 +45,25 @@ class DeviceSpec:
     matmul_moving_free: int      # max free size of the moving tile: one PSUM bank of fp32
     launch_overhead_s: float     # fixed cost of one kernel launch (assumption, see module doc)
 
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"DeviceSpec name must be a non-empty string; got {self.name!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name":
+                continue
+            wanted = int if f.type in ("int", int) else (int, float)
+            number = isinstance(value, wanted) and not isinstance(value, bool)
+            low = 0 if f.name == "launch_overhead_s" else 1e-300  # only the launch overhead may be 0
+            if not number or not low <= value < float("inf"):  # also refuses nan
+                kind = "a whole number" if wanted is int else "a number"
+                bound = ">= 0" if f.name == "launch_overhead_s" else "> 0"
+                raise ConfigError(f"DeviceSpec {f.name} must be {kind} {bound}; got {value!r}")
+        if self.sbuf_bytes % self.partitions or self.psum_bytes % (self.partitions * self.psum_banks):
+            raise ConfigError(f"DeviceSpec sbuf_bytes must divide into {self.partitions} partitions and psum_bytes "
+                              f"into {self.partitions} x {self.psum_banks} banks; got {self.sbuf_bytes}, "
+                              f"{self.psum_bytes}")
+
     @property
     def sbuf_partition_bytes(self) -> int:
         return self.sbuf_bytes // self.partitions
