@@ -23,6 +23,22 @@ def psum_free_max(spec: DeviceSpec) -> int:
     return min(spec.matmul_moving_free, spec.psum_bank_bytes // FP32.itemsize)
 
 
+def _template(node, tile_of):
+    """The node's call with each graph-value operand replaced by ("$", i), and the i-th tiles."""
+    srcs: list[TileOp] = []
+
+    def ref(value):
+        if isinstance(value, torch.fx.Node):
+            srcs.append(tile_of(value))
+            return ("$", len(srcs) - 1)
+        if isinstance(value, (list, tuple)):
+            return type(value)(ref(v) for v in value)
+        return value
+
+    args = tuple(ref(a) for a in node.args)
+    return srcs, (args, {k: ref(v) for k, v in node.kwargs.items()})
+
+
 class _Loop:
     """Builds the body of one tile loop over a group's (rows, cols) domain."""
 
@@ -91,20 +107,7 @@ class _Loop:
         return self.emit(TileOp(Ops.BROADCAST, src.dtype, (src,), None, self.full_axes, "sbuf", f"{node.name}_sbuf"))
 
     def operands(self, node):
-        srcs: list[TileOp] = []
-
-        def ref(value):
-            if isinstance(value, torch.fx.Node):
-                tile = self.env.get(value.name) or self.load(value, node)
-                srcs.append(tile)
-                return ("$", len(srcs) - 1)
-            if isinstance(value, (list, tuple)):
-                return type(value)(ref(v) for v in value)
-            return value
-
-        args = tuple(ref(a) for a in node.args)
-        kwargs = {k: ref(v) for k, v in node.kwargs.items()}
-        return srcs, (args, kwargs)
+        return _template(node, lambda value: self.env.get(value.name) or self.load(value, node))
 
     def load(self, value, user) -> TileOp:
         """A tile of `value` (from outside the group) broadcast to the shape `user` computes."""
@@ -118,18 +121,7 @@ class _Loop:
 
     def recompute(self, node, view, row: bool) -> TileOp:
         """An inlined producer: its inputs loaded broadcast to `view`, its op applied on that tile."""
-        srcs: list[TileOp] = []
-
-        def ref(value):
-            if isinstance(value, torch.fx.Node):
-                srcs.append(self.load_as(value, view, row))
-                return ("$", len(srcs) - 1)
-            if isinstance(value, (list, tuple)):
-                return type(value)(ref(v) for v in value)
-            return value
-
-        args = tuple(ref(a) for a in node.args)
-        kwargs = {k: ref(v) for k, v in node.kwargs.items()}
+        srcs, (args, kwargs) = _template(node, lambda value: self.load_as(value, view, row))
         return self.emit(TileOp(Ops.ALU, val(node).dtype, tuple(srcs), (node.target, args, kwargs),
                                 self.row_axes if row else self.full_axes, "sbuf", f"{node.name}_sbuf"))
 
