@@ -20,14 +20,16 @@ model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).to("neuro
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 data = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(steps)]
 
+losses = []
 with tilewise.engine():
     for step, (x, y) in enumerate(data, 1):
         loss = F.cross_entropy(model(x.to("neuron")), y.to("neuron"))
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())  # reading the loss ends the step's segment: each step is one
         if step % 5 == 0 or step == steps:
-            print(f"step {step:2d}  loss {loss.item():.4f}")
+            print(f"step {step:2d}  loss {losses[-1]:.4f}")
 
 stats = tilewise.stats()
 print(f"simulated device time {stats.simulated_seconds * 1e3:.3f} ms, "
