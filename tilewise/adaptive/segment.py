@@ -34,7 +34,7 @@ class Unrecordable(TilewiseError):
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs", "floats")
+                 "roots", "srcs", "inputs", "floats", "out_meta")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
@@ -100,7 +100,7 @@ class Segment:
             self.written_storages.update(t.untyped_storage()._cdata for t in node.inputs
                                          if isinstance(t, torch.Tensor))
         for out_index, out in enumerate(node.outs or ()):
-            self._values[id(out)] = (index, out_index, node.fp, _metadata(out))
+            self._values[id(out)] = (index, out_index, node.fp, node.out_meta[out_index])
         return result
 
     # -- inputs --------------------------------------------------------------------------------
@@ -164,6 +164,7 @@ class Segment:
             host_out = node.func(*node.args, **node.kwargs)  # metadata only: no data is read
             outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
             node.outs = tuple(outs)
+            node.out_meta = [_metadata(o) for o in outs]
             wrapped = [wrap(o) for o in outs]
             node.wrappers = tuple(weakref.ref(w) for w in wrapped)
             node.roots = tuple(self._root_of(node) for _ in outs)
@@ -172,11 +173,18 @@ class Segment:
         metas = meta_cache.get(node.local)
         if metas is None:
             metas = meta_cache[node.local] = _meta_outputs(node)
-        buffers = tuple(torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in metas[1])
-        node.outs = buffers
-        wrapped = [wrap(b) for b in buffers]
+        returns_tuple, outputs, node.out_meta = metas
+        if not returns_tuple:  # the common case, without the generators below
+            shape, stride, dtype = outputs[0]
+            buffer = torch.empty_strided(shape, stride, dtype=dtype)
+            node.outs = (buffer,)
+            wrapped = wrap(buffer)
+            node.wrappers = (weakref.ref(wrapped),)
+            return wrapped
+        node.outs = tuple(torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in outputs)
+        wrapped = [wrap(b) for b in node.outs]
         node.wrappers = tuple(weakref.ref(w) for w in wrapped)
-        return tuple(wrapped) if metas[0] else wrapped[0]
+        return tuple(wrapped)
 
     def _root_of(self, node: Node):
         """The value whose buffer a view aliases: an earlier functional output, or an external."""
@@ -194,7 +202,8 @@ def _metadata(data: torch.Tensor) -> tuple:
 
 
 def _meta_outputs(node: Node):
-    """Run the op's meta kernel once per signature: (returns a tuple?, [(shape, stride, dtype)])."""
+    """Run the op's meta kernel once per signature:
+    (returns a tuple?, [(shape, stride, dtype)] per output, [metadata] per output)."""
     meta_args = [_to_meta(a) for a in node.args]
     # A factory naming the neuron device (new_zeros(x, ..., device=neuron) in autograd's backward)
     # would otherwise make a real device tensor here, whose eager run flushes this very segment.
@@ -206,7 +215,9 @@ def _meta_outputs(node: Node):
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         raise Unrecordable("returns a non-tensor")
-    return isinstance(out, (tuple, list)), tuple((o.shape, o.stride(), o.dtype) for o in outs)
+    described = tuple((o.shape, o.stride(), o.dtype) for o in outs)
+    # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
+    return isinstance(out, (tuple, list)), described, [(shape, stride, 0, dtype) for shape, stride, dtype in described]
 
 
 def _to_meta(value):
