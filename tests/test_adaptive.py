@@ -221,3 +221,14 @@ def test_changing_float_constants_replay_the_plan_without_reanalysis():
     stats = tilewise.stats()
     assert stats.analyses == 0 and stats.ops_compiled > 0, stats.report()
     assert any(reason.startswith("dynamic") for (_, reason) in stats.fallbacks)
+
+
+def test_torch_save_inside_the_engine_saves_computed_values():
+    import io
+    x = torch.randn(4).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x * 2
+        buffer = io.BytesIO()
+        torch.save(y, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer).cpu(), x.cpu() * 2)

@@ -37,6 +37,8 @@ def _compiler(kind: str):
 
         def call(args: list):
             # Boxed convention: AOTAutograd passes one list we may clear, freeing inputs early.
+            if DEVICE.lazy_pending:  # the host buffers are read directly: compute deferred work first
+                DEVICE.synchronize()
             host = [a._data if hasattr(a, "_data") else a for a in args]
             args.clear()
             backend_stats.calls += 1

@@ -66,6 +66,9 @@ class NeuronTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # Saved as its host data plus a rebuild call, so checkpoints load without a device build.
+        # Pickling reads the buffer directly, not through an op: pending lazy work comes first.
+        if DEVICE.lazy_pending:
+            DEVICE.synchronize()
         return _rebuild, (self._data.detach(), self.requires_grad)
 
 
