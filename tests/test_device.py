@@ -330,3 +330,13 @@ def test_bad_device_index_raises_device_error_and_leaves_tensors_usable(make):
         make(x)
     same(n * 2, x * 2)
     same(torch.ones(2, device="neuron"), torch.ones(2))
+
+
+def test_assigning_data_replaces_the_buffer_like_cpu():
+    param = torch.nn.Parameter(torch.zeros(3).to("neuron"))
+    param.data = torch.arange(6.0).reshape(2, 3).to("neuron")
+    assert param.shape == (2, 3) and isinstance(param, torch.nn.Parameter)
+    torch.testing.assert_close((param * 2).detach().cpu(), torch.arange(6.0).reshape(2, 3) * 2)
+    with pytest.raises(TypeError, match="to\\('neuron'\\)"):
+        param.data = torch.ones(2, 3)
+    torch.testing.assert_close(param.detach().cpu(), torch.arange(6.0).reshape(2, 3))

@@ -64,6 +64,20 @@ class NeuronTensor(torch.Tensor):
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. "
                         "Use Tensor.cpu() to copy the tensor to host memory first.")
 
+    # `p.data = t` swaps the tensor's metadata in C++, behind the Python attribute that holds the
+    # buffer: follow it, or the parameter would keep computing with its old buffer.
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, NeuronTensor):
+            raise TypeError(f"a neuron tensor's .data must be a neuron tensor; got one on {new.device}. "
+                            "Move it first: param.data = value.to('neuron')")
+        torch._C.TensorBase.data.__set__(self, new)
+        self._data = new._data
+
     def __reduce_ex__(self, protocol):
         # Saved as its host data plus a rebuild call, so checkpoints load without a device build.
         # Pickling reads the buffer directly, not through an op: pending lazy work comes first.
