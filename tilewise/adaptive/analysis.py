@@ -21,7 +21,7 @@ def dataflow_graph(nodes: list[Node]) -> nx.DiGraph:
     last_writer: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     for index, node in enumerate(nodes):
-        reads, writes = _storages(node)
+        reads, writes = storages(node)
         for storage in reads | writes:
             if storage in last_writer:
                 graph.add_edge(last_writer[storage], index)
@@ -34,7 +34,8 @@ def dataflow_graph(nodes: list[Node]) -> nx.DiGraph:
     return graph
 
 
-def _storages(node: Node) -> tuple[set[int], set[int]]:
+def storages(node: Node) -> tuple[set[int], set[int]]:
+    """The storages a recorded node reads and writes (keys of their host buffers)."""
     reads = {_key(t) for t in _tensors(node.args)} | {_key(t) for t in _tensors(node.kwargs.values())}
     if node.kind == FUNCTIONAL:
         writes = {_key(t) for t in node.outs}

@@ -14,8 +14,7 @@ import torch
 import torch.fx
 
 from ..device.runtime import DEVICE
-
-from .analysis import _storages
+from .analysis import storages
 from .segment import FUNCTIONAL, VIEW, Node, Segment
 
 
@@ -94,7 +93,7 @@ def writes_shared_input(segment: Segment, region: Region) -> bool:
             key = tensor.untyped_storage()._cdata
             counts[key] = counts.get(key, 0) + 1
     shared = {key for key, count in counts.items() if count > 1}
-    return bool(shared) and any(shared & _storages(segment.nodes[n])[1] for n in region.nodes)
+    return bool(shared) and any(shared & storages(segment.nodes[n])[1] for n in region.nodes)
 
 
 def alias_signature(tensors: list[torch.Tensor]) -> tuple:

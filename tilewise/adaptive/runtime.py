@@ -21,6 +21,7 @@ import torch
 
 from ..config import config
 from ..device.runtime import DEVICE
+from ..device.tensor import NeuronTensor
 from ..eager.executor import execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from . import analysis
@@ -431,7 +432,6 @@ def _host_device(kwargs) -> str | None:
 
 
 def _device_tensors(values):
-    from ..device.tensor import NeuronTensor
     for value in values:
         if isinstance(value, NeuronTensor):
             yield value
