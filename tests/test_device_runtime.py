@@ -288,6 +288,16 @@ def test_views_charge_nothing(timeline):
     assert timeline.kernels == 0 and timeline.clock == 0.0 and not timeline.events
 
 
+def test_allocations_and_unsafe_view_charge_nothing_but_a_fill_is_a_kernel(timeline):
+    x = torch.randn(4, 6).to("neuron")
+    timeline.reset()
+    torch.empty(3, 5, device="neuron"); torch.empty_like(x); x.new_empty((2, 2)); torch.empty_strided((2, 3), (1, 2), device="neuron")
+    torch.ops.aten._unsafe_view(x, [24])
+    assert timeline.kernels == 0 and not timeline.events
+    torch.zeros(3, 5, device="neuron")
+    assert [k.name for k in timeline.events] == ["zero_"]  # zeros = empty + zero_: one kernel
+
+
 def test_clock_is_the_sum_of_kernel_durations_in_order(timeline):
     x = torch.randn(32, 32).to("neuron")
     timeline.reset()

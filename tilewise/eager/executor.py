@@ -11,7 +11,7 @@ import torch
 
 from ..device.cost import kernel_seconds
 from ..device.runtime import DEVICE
-from ..device.tensor import NEURON, NeuronTensor, wrap
+from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from .plan import OpPlan, plan_of
 
@@ -56,7 +56,7 @@ def run(func, args, kwargs):
         result = out
     else:
         result = _wrap_outputs(out)
-    if not plan.view:
+    if plan.kernel:
         _charge(plan, host_args, kwargs, out, traffic)
     return result
 
@@ -66,7 +66,7 @@ def run_host(func, host_args, host_kwargs):
     plan = plan_of(func)
     out = func(*host_args, **host_kwargs)
     counters.ops += 1
-    if not plan.view:
+    if plan.kernel:
         traffic = [0, 0]
         _measure(host_args, traffic)
         _charge(plan, host_args, host_kwargs, out, traffic)

@@ -15,6 +15,11 @@ METADATA_MUTATING = frozenset({
     "swapdims_", "swapaxes_",
 })
 
+# Ops that only allocate or relabel memory: no engine work, so no kernel (as on CUDA). The outputs
+# of `_unsafe_view` alias its input like a view's; its schema just does not say so.
+NO_KERNEL = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                       "new_empty_strided"})
+
 # Ops whose whole point is to move data between host and device.
 CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
 
@@ -22,6 +27,7 @@ CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_c
 class OpPlan(NamedTuple):
     name: str                      # overload packet name, e.g. "add"
     view: bool                     # returns views of an input: no kernel, no new memory
+    kernel: bool                   # launches a kernel (not a view, not a bare allocation)
     aliases: tuple | None          # mutating op: per return, the arg index or kwarg name it returns
     mutates: bool                  # writes to at least one of its arguments
     engine: str                    # engine the cost model charges
@@ -58,6 +64,7 @@ def _make_plan(func) -> OpPlan:
     return OpPlan(
         name=name,
         view=view,
+        kernel=not view and name not in NO_KERNEL,
         aliases=tuple(returned_writes) if mutating else None,
         mutates=bool(written_by_set),
         engine=engine_of(name, flops is not None),
