@@ -69,7 +69,7 @@ def test_tampered_entry_is_never_decoded_executed_or_unpickled(tampering, tmp_pa
         else:
             _tamper(entry, lambda p: b"\xff\xfe" + p)
         decoded = []
-        for name in ("graph_from_json", "kernel_from_json"):
+        for name in ("graph_from_json", "launch_from_json"):
             monkeypatch.setattr(cache, name, lambda *a, _n=name: decoded.append(_n))
         monkeypatch.setattr(cache.json, "loads", lambda *a, **k: decoded.append("json.loads"))
         monkeypatch.setattr(pickle, "loads", lambda *a, **k: decoded.append("pickle.loads"))

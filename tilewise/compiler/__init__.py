@@ -1,9 +1,9 @@
 """Region graph -> fusion groups -> tile IR -> memory plan -> executable kernels, plus the tile
 interpreter and the torch.compile backend."""
 from .driver import COMPILER_VERSION, PASSES, CompiledRegion, compile_graph
-from .memory_plan import check_tile_limits
+from .memory_plan import check_launch_limits, check_tile_limits
 
-__all__ = ["COMPILER_VERSION", "PASSES", "CompiledRegion", "check_tile_limits", "compile_graph"]
+__all__ = ["COMPILER_VERSION", "PASSES", "CompiledRegion", "check_launch_limits", "check_tile_limits", "compile_graph"]
 
 from .backend import backend_stats, register as _register_backend  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 
 from ..config import config
 from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached
-from .serialize import encode, graph_from_json, graph_to_json, kernel_from_json, kernel_to_json
+from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json
 
 MEMORY_ENTRIES = 256  # compiled regions kept in memory per process (least recently used evicted)
 
@@ -87,7 +87,7 @@ def _path(directory: str, key: str) -> str:
 def _payload(key: str, compiled: CompiledRegion) -> bytes:
     return json.dumps({
         "key": key, "version": COMPILER_VERSION, "name": compiled.name, "graph": graph_to_json(compiled.gm),
-        "kernels": [kernel_to_json(k) for k in compiled.kernels], "cost": compiled.cost,
+        "launches": [launch_to_json(launch) for launch in compiled.launches], "cost": compiled.cost,
         "refused": compiled.refused, "passes": compiled.passes_text,
         "compile_seconds": compiled.compile_seconds,
     }).encode()
@@ -159,7 +159,7 @@ def _load(directory: str, key: str, spec) -> CompiledRegion | None:
         if entry["key"] != key or entry["version"] != COMPILER_VERSION:
             raise ValueError("entry for another key or compiler version")
         compiled = CompiledRegion(entry["name"], graph_from_json(entry["graph"]),
-                                  [kernel_from_json(k) for k in entry["kernels"]],
+                                  [launch_from_json(launch) for launch in entry["launches"]],
                                   [tuple(c) for c in entry["cost"]], [tuple(r) for r in entry["refused"]],
                                   entry["passes"], entry["compile_seconds"], spec)
     except Exception:  # a digest-valid entry that does not decode: treat as corrupt, recompile

@@ -1,5 +1,6 @@
-"""Pass 6: estimate each kernel's cost: one launch, HBM traffic for what enters and leaves it,
-per-tile engine time with DMA overlapped against compute (tilewise.device.cost rates).
+"""Pass 7: estimate each launch's cost: one launch overhead, then per kernel the HBM traffic for
+what enters and leaves it (nothing for values resident in SBUF) and per-tile engine time with DMA
+overlapped against compute (tilewise.device.cost rates).
 
 Work is summed analytically over the loop nest instead of by running it: an instruction's elements
 are the product of its axes' loop extents (edge tiles included exactly) times the trip counts of
@@ -16,7 +17,7 @@ from ..device.cost import SCALAR_OPS, compute_seconds, dma_seconds, engine_of, k
 from ..device.spec import DeviceSpec
 from .ops import val
 from .region import Region
-from .tile_ir import Kernel, Ops
+from .tile_ir import Kernel, Launch, Ops
 
 
 def _nbytes(shape, dtype) -> int:
@@ -32,8 +33,10 @@ def _engine(op) -> str:
 
 
 def _walk(kernel: Kernel):
-    """Yield (op, elements over the whole kernel, outer tiles) for every instruction."""
-    loops, stack, extent, trips = {}, [], {}, {}
+    """Yield (op, elements over the whole kernel, outer tiles) for every instruction. The outer
+    tiles are the trips of the loops around it (batch, rows, cols) except a matmul's contraction."""
+    stack, extent, trips = [], {}, {}
+    contraction = {op.srcs[1].shape[0][0] for op in kernel.body if op.op is Ops.MATMUL}
     for op in kernel.body:
         if op.op is Ops.RANGE:
             var, size, step = op.arg
@@ -49,18 +52,26 @@ def _walk(kernel: Kernel):
         if op.op is Ops.STORE:
             axes = {a for a, _ in op.srcs[0].shape if a}
         elements = math.prod(extent[v] for v in axes) * math.prod(trips[v] for v in stack if v not in axes)
-        tiles = math.prod(trips[v] for v in stack[:2])
+        tiles = math.prod(trips[v] for v in stack if v not in contraction)
         yield op, elements, tiles
 
 
-def fused_cost(kernel: Kernel, spec: DeviceSpec) -> tuple:
-    hbm = sum(_nbytes(r.shape, r.dtype) for r in kernel.inputs.values()) + \
-        sum(_nbytes(r.shape, r.dtype) for r in kernel.outputs.values())
+def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
+    """(HBM bytes, DMA seconds, busiest engine, its seconds, flops, outer tiles) of one kernel of a
+    launch. Loads and stores of values resident in SBUF move nothing through HBM."""
+    off_chip = {name for op in kernel.body if op.op is Ops.LOAD
+                for name in [op.arg[0]] if not launch.on_chip(kernel.inputs[name], op.arg[1])}
+    kept = {name for name, ref in kernel.outputs.items() if _kept_on_chip(launch, ref)}
+    hbm = sum(_nbytes(kernel.inputs[n].shape, kernel.inputs[n].dtype) for n in off_chip) + \
+        sum(_nbytes(r.shape, r.dtype) for n, r in kernel.outputs.items() if n not in kept)
     dma_bytes, flops, engine_time, tiles = 0, 0, {}, 0
     for op, elements, outer in _walk(kernel):
         if op.op is Ops.RANGE:
             continue
         tiles = max(tiles, outer)
+        if op.op is Ops.LOAD and launch.on_chip(kernel.inputs[op.arg[0]], op.arg[1]) or \
+                op.op is Ops.STORE and op.arg in kept:
+            continue
         if op.op in (Ops.LOAD, Ops.STORE):
             dma_bytes += elements * (op.dtype or op.srcs[0].dtype).itemsize
             continue
@@ -69,13 +80,30 @@ def fused_cost(kernel: Kernel, spec: DeviceSpec) -> tuple:
         flops += work if op.op is Ops.MATMUL else 0
         dtype = op.srcs[1].dtype if op.op is Ops.MATMUL else op.dtype
         engine_time[engine] = engine_time.get(engine, 0.0) + compute_seconds(spec, engine, work, dtype)
-    dma = dma_seconds(spec, dma_bytes)
     compute = max(engine_time.values(), default=0.0)
-    seconds = spec.launch_overhead_s + dma / max(tiles, 1) + max(dma, compute)
-    engine = max(engine_time, key=engine_time.get) if engine_time and compute >= dma else "DMA"
-    if flops:
-        engine = "TensorEngine"
-    return (kernel.name, engine, seconds, hbm, flops)
+    engine = "TensorEngine" if flops else max(engine_time, key=engine_time.get) if engine_time else "DMA"
+    return hbm, dma_seconds(spec, dma_bytes), engine, compute, flops, max(tiles, 1)
+
+
+def _kept_on_chip(launch: Launch, ref) -> bool:
+    return (ref.node, ref.rows_cols) in launch.resident and ref.node not in launch.stored
+
+
+def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> tuple:
+    """One launch overhead, then each kernel in turn: its DMA overlapped with its compute."""
+    first = launch.kernels[0]
+    if first.kind == "opaque":
+        return opaque_cost(first, nodes[first.nodes[0]], spec)
+    seconds, hbm, flops, busy = spec.launch_overhead_s, 0, 0, {}
+    for kernel in launch.kernels:
+        stage_hbm, dma, engine, compute, stage_flops, tiles = _stage(kernel, launch, spec)
+        stage = dma / tiles + max(dma, compute)
+        seconds += stage
+        hbm, flops = hbm + stage_hbm, flops + stage_flops
+        engine = engine if compute >= dma else "DMA"
+        busy[engine] = busy.get(engine, 0.0) + stage
+    engine = "TensorEngine" if flops else max(busy, key=busy.get)
+    return (launch.name, engine, seconds, hbm, flops)
 
 
 def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> tuple:
@@ -99,6 +127,5 @@ def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> tuple:
 
 def estimate_cost(region: Region, spec: DeviceSpec) -> Region:
     nodes = {n.name: n for n in region.gm.graph.nodes}
-    cost = tuple(opaque_cost(k, nodes[k.nodes[0]], spec) if k.kind == "opaque" else fused_cost(k, spec)
-                 for k in region.kernels)
+    cost = tuple(launch_cost(launch, nodes, spec) for launch in region.launches)
     return region.replace(pass_name="cost", cost=cost)

@@ -11,29 +11,34 @@ from .decompose import decompose
 from .emit import emit
 from .interpreter import interpret
 from .lower import lower
-from .memory_plan import check_tile_limits, memory_plan
+from .memory_plan import check_launch_limits, memory_plan
 from .partition import partition
 from .region import Region
+from .schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-1"
+COMPILER_VERSION = "tilewise-compiler-2"
 
 PASSES = (
     ("decompose", None),          # PyTorch decompositions + functionalization (needs example inputs)
     ("partition", partition),     # fusion groups
     ("lower", lower),             # tile IR per group
     ("memory_plan", memory_plan), # SBUF/PSUM fit, tile-limit check
+    ("schedule", schedule),       # kernels into launches, values kept in SBUF between kernels
     ("emit", emit),               # host executable
-    ("cost", estimate_cost),      # per-kernel simulated cost
+    ("cost", estimate_cost),      # per-launch simulated cost
 )
+_NEED_SPEC = (lower, memory_plan, schedule, estimate_cost)
 
 
 class CompiledRegion:
-    """A compiled region: a fast host executable, its tile kernels, their cost and the pass log."""
+    """A compiled region: a fast host executable, its tile kernels grouped into launches, their
+    cost (one entry per launch) and the pass log."""
 
-    def __init__(self, name: str, gm: torch.fx.GraphModule, kernels, cost, refused, passes_text,
+    def __init__(self, name: str, gm: torch.fx.GraphModule, launches, cost, refused, passes_text,
                  compile_seconds: float, spec: DeviceSpec):
         self.name, self.gm, self.spec = name, gm, spec
-        self.kernels = list(kernels)
+        self.launches = list(launches)
+        self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
         self.cost = list(cost)
         self.refused = list(refused)
         self.passes_text = list(passes_text)
@@ -46,16 +51,16 @@ class CompiledRegion:
 
     def interpret(self, *inputs) -> tuple:
         """Reference execution of the tile programs, tile by tile, with poisoned buffers."""
-        return interpret(self.gm, self.kernels, inputs)
+        return interpret(self.gm, self.launches, inputs)
 
     def charge(self, timeline, region: str | None = None) -> None:
-        """Record one timeline kernel per launched kernel."""
+        """Record one timeline kernel per launch."""
         for name, engine, seconds, hbm_bytes, flops in self.cost:
             timeline.record(name, engine, seconds, hbm_bytes, flops, region=region or self.name)
 
     def check_tile_limits(self) -> None:
-        for kernel in self.kernels:
-            check_tile_limits(kernel, self.spec)
+        for launch in self.launches:
+            check_launch_limits(launch, self.spec)
 
     @property
     def hbm_bytes(self) -> int:
@@ -69,14 +74,15 @@ class CompiledRegion:
         return "\n\n".join(self.passes_text)
 
     def __repr__(self) -> str:
-        return f"CompiledRegion({self.name!r}, kernels={len(self.kernels)}, refused={len(self.refused)})"
+        return (f"CompiledRegion({self.name!r}, kernels={len(self.kernels)}, launches={len(self.launches)}, "
+                f"refused={len(self.refused)})")
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> tuple[Region, list[str]]:
     region = decompose(gm, example_inputs, name)
     texts = [str(region)]
     for _, pass_fn in PASSES[1:]:
-        region = pass_fn(region, spec) if pass_fn in (lower, memory_plan, estimate_cost) else pass_fn(region)
+        region = pass_fn(region, spec) if pass_fn in _NEED_SPEC else pass_fn(region)
         texts.append(str(region))
     return region, texts
 
@@ -113,7 +119,7 @@ def _check_arguments(gm, example_inputs, spec, name) -> None:
 def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> CompiledRegion:
     start = time.perf_counter()
     region, texts = run_passes(gm, example_inputs, spec, name)
-    compiled = CompiledRegion(name, region.gm, region.kernels, region.cost,
+    compiled = CompiledRegion(name, region.gm, region.launches, region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
                               time.perf_counter() - start, spec)
     _smoke_run(compiled, example_inputs)

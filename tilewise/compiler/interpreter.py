@@ -11,7 +11,7 @@ import torch
 from torch.fx.node import map_arg
 
 from ..errors import CompileError
-from .tile_ir import HbmRef, Kernel, Ops, TileOp
+from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 
 def poisoned(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -41,6 +41,13 @@ class _TileRun:
         self.extent = {op.arg[0]: op.arg[1] for op in self.body if op.op is Ops.RANGE}
         self.at: dict[str, int] = {}
         self.buffers: dict[int, torch.Tensor] = {}
+        # A MATMUL accumulates into its ZERO's PSUM buffer: a contraction loop with no trips
+        # (an empty contraction) leaves the zeros there for the COPY after it.
+        self.accumulator: dict[int, int] = {}
+        for op in self.body:
+            if op.op is Ops.MATMUL:
+                acc = id(op.srcs[0])
+                self.accumulator[id(op)] = self.accumulator.get(acc, acc)
 
     def run(self, start: int = 0, stop: int | None = None) -> None:
         index, stop = start, len(self.body) if stop is None else stop
@@ -64,12 +71,17 @@ class _TileRun:
         return slice(start, min(start + size, self.extent[var]))
 
     def valid(self, op: TileOp) -> torch.Tensor:
-        rows, cols = (self.span(a) for a in op.shape)
-        return self.buffers[id(op)][: rows.stop - rows.start, : cols.stop - cols.start]
+        rows, cols = (self.span(a) for a in op.shape[:2])
+        buffer = self.buffers[self.accumulator.get(id(op), id(op))]
+        return buffer[: rows.stop - rows.start, : cols.stop - cols.start]
 
     def fresh(self, op: TileOp) -> torch.Tensor:
-        self.buffers[id(op)] = poisoned(tuple(size for _, size in op.shape), op.dtype)
+        self.buffers[id(op)] = poisoned(tuple(size for _, size in op.shape[:2]), op.dtype)
         return self.valid(op)
+
+    def slab(self, hbm: torch.Tensor, tile: TileOp) -> torch.Tensor:
+        """The [rows x cols] HBM view a tile indexes: its batch's slab in a batched loop nest."""
+        return hbm[self.at[tile.batch]] if tile.batch else hbm
 
     def write(self, op: TileOp, value: torch.Tensor) -> None:
         target = self.fresh(op)
@@ -82,12 +94,12 @@ class _TileRun:
         kind = op.op
         if kind is Ops.LOAD:
             name, transpose = op.arg
-            axes = op.shape[::-1] if transpose else op.shape
-            tile = self.hbm_in[name][self.span(axes[0]), self.span(axes[1])]
+            axes = op.shape[1::-1] if transpose else op.shape
+            tile = self.slab(self.hbm_in[name], op)[self.span(axes[0]), self.span(axes[1])]
             self.write(op, tile.T if transpose else tile)
         elif kind is Ops.STORE:
             src = op.srcs[0]
-            self.hbm_out[op.arg][self.span(src.shape[0]), self.span(src.shape[1])] = self.valid(src)
+            self.slab(self.hbm_out[op.arg], src)[self.span(src.shape[0]), self.span(src.shape[1])] = self.valid(src)
         elif kind in (Ops.ALU, Ops.REDUCE):
             target, args, kwargs = op.arg
             tiles = [self.valid(s) for s in op.srcs]
@@ -98,11 +110,16 @@ class _TileRun:
         elif kind is Ops.ZERO:
             self.fresh(op).zero_()
         elif kind is Ops.MATMUL:
-            acc, lhs_t, rhs = op.srcs
-            self.buffers[id(op)] = self.buffers[id(acc)]
+            _, lhs_t, rhs = op.srcs
             self.valid(op).add_(self.valid(lhs_t).float().T @ self.valid(rhs).float())
         elif kind is Ops.COPY:
             self.write(op, self.valid(op.srcs[0]).to(op.dtype))
+        elif kind is Ops.FILL:
+            self.fresh(op).fill_(op.arg)
+        elif kind is Ops.IOTA:
+            target = self.fresh(op)
+            cols = self.span(op.shape[1])
+            target.copy_(torch.arange(cols.start, cols.stop, dtype=op.arg).expand(target.shape))
 
 
 def _fill(template, tiles):
@@ -115,20 +132,43 @@ def _fill(template, tiles):
     return template
 
 
-def run_kernel(kernel: Kernel, env: dict) -> None:
-    hbm_in = {name: _hbm_view(env[ref.node], ref) for name, ref in kernel.inputs.items()}
+def run_kernel(kernel: Kernel, env: dict, launch: Launch | None = None, sbuf: dict | None = None) -> None:
+    """Run one kernel: HBM is `env` (region value -> tensor); `sbuf` holds the values its launch
+    keeps on chip, as the 2-D tiles they were stored as, and lives only as long as the launch."""
+    launch = launch or Launch(kernel.name, (kernel,))
+    sbuf = {} if sbuf is None else sbuf
+    hbm_in = {name: _source(kernel, name, ref, env, launch, sbuf) for name, ref in kernel.inputs.items()}
     hbm_out = {name: poisoned(ref.rows_cols, ref.dtype) for name, ref in kernel.outputs.items()}
     _TileRun(kernel, hbm_in, hbm_out).run()
     for name, ref in kernel.outputs.items():
+        if (ref.node, ref.rows_cols) in launch.resident:
+            sbuf[(ref.node, ref.rows_cols)] = hbm_out[name]
+            if ref.node not in launch.stored:
+                continue
         out = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype)
         out.copy_(hbm_out[name].reshape(ref.shape))
         env[ref.node] = out
 
 
-def interpret(gm: torch.fx.GraphModule, kernels, inputs) -> tuple:
-    """Run the region: tile kernels through `run_kernel`, opaque ops and views on the host."""
-    owner = {name: k for k in kernels if k.kind != "opaque" for name in k.nodes}
+def _source(kernel: Kernel, name: str, ref: HbmRef, env: dict, launch: Launch, sbuf: dict) -> torch.Tensor:
+    """What the loads of `name` read: the on-chip copy when every load of it is served from SBUF,
+    else HBM, where a value the launch kept only on chip is missing: that plan would be wrong."""
+    loads = [op.arg[1] for op in kernel.body if op.op is Ops.LOAD and op.arg[0] == name]
+    if (ref.node, ref.rows_cols) in sbuf and all(launch.on_chip(ref, transpose) for transpose in loads):
+        return sbuf[(ref.node, ref.rows_cols)]
+    if ref.node not in env:
+        raise CompileError(f"{kernel.name} loads {ref.node} from HBM, but launch {launch.name} kept it only in SBUF")
+    return _hbm_view(env[ref.node], ref)
+
+
+def interpret(gm: torch.fx.GraphModule, launches, inputs) -> tuple:
+    """Run the region launch by launch: tile kernels through `run_kernel`, opaque ops and views on
+    the host. On-chip values are dropped when their launch ends."""
+    launch_of = {k.name: launch for launch in launches for k in launch.kernels if k.kind != "opaque"}
+    owner = {name: k for launch in launches for k in launch.kernels if k.kind != "opaque" for name in k.nodes}
+    opaque = {name for launch in launches for k in launch.kernels if k.kind == "opaque" for name in k.nodes}
     env, done, position = {}, set(), 0
+    current, sbuf = None, {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node.name] = inputs[position]
@@ -136,14 +176,24 @@ def interpret(gm: torch.fx.GraphModule, kernels, inputs) -> tuple:
         elif node.op == "get_attr":
             env[node.name] = getattr(gm, node.target)
         elif node.op == "output":
-            return tuple(map_arg(node.args[0], lambda n: env[n.name]))
+            return tuple(map_arg(node.args[0], lambda n: _hbm(env, n)))
         elif node.name in owner:
             kernel = owner[node.name]
             if kernel.name not in done:
-                run_kernel(kernel, env)
+                if launch_of[kernel.name] is not current:
+                    current, sbuf = launch_of[kernel.name], {}
+                run_kernel(kernel, env, current, sbuf)
                 done.add(kernel.name)
         else:
-            args = map_arg(node.args, lambda n: env[n.name])
-            kwargs = map_arg(node.kwargs, lambda n: env[n.name])
+            if node.name in opaque:  # a launch of its own: the one before it has ended
+                current, sbuf = None, {}
+            args = map_arg(node.args, lambda n: _hbm(env, n))
+            kwargs = map_arg(node.kwargs, lambda n: _hbm(env, n))
             env[node.name] = node.target(*args, **kwargs)
     raise CompileError("region graph has no output node")
+
+
+def _hbm(env: dict, node) -> torch.Tensor:
+    if node.name not in env:
+        raise CompileError(f"{node.name} is read from HBM after its launch, which kept it only in SBUF")
+    return env[node.name]

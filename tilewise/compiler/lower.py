@@ -4,13 +4,17 @@ Rows map to partitions (`spec.partitions` per tile), the last dim to the free ax
 values live in SBUF as [rows x free] tiles or [rows x 1] row tiles; matmuls accumulate over the
 contraction in PSUM, `spec.partitions` at a time, with the moving free size bounded by one PSUM
 bank. Everything that leaves the group is stored; everything that enters is loaded once per tile.
+A bmm group runs that loop nest once per batch, inside a batch loop. gather/scatter along the last
+dim become one-hot selects (`iota == index`) on the row's tile.
 """
 from __future__ import annotations
 
 import torch
 
 from ..device.spec import DeviceSpec
-from .ops import PRIM_REDUCTIONS, category, shape, val
+from ..errors import CompileError
+from .ops import (ARANGES, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, category,
+                  lowest, matmul_dims, shape, val)
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
@@ -45,7 +49,7 @@ class _Loop:
     def __init__(self, group: Group, nodes: dict, spec: DeviceSpec, free: int, suffix: str, kernel_in: dict,
                  kernel_out: dict):
         self.group, self.nodes, self.spec, self.free = group, nodes, spec, free
-        self.r, self.c = f"r{suffix}", f"c{suffix}"
+        self.r, self.c, self.b = f"r{suffix}", f"c{suffix}", f"b{suffix}"
         self.inside = set(group.nodes)
         self.body: list[TileOp] = []
         self.env: dict[str, TileOp] = {}
@@ -54,17 +58,27 @@ class _Loop:
         rows, cols = group.domain
         self.rows_step = min(spec.partitions, spec.matmul_stationary_free) if group.kind == "matmul" \
             else spec.partitions
-        self.full_axes = ((self.r, self.rows_step), (self.c, min(free, cols)))
-        self.row_axes = ((self.r, self.rows_step), (None, 1))
+        self.batches = _batches(group, nodes)
+        batch_axis = ((self.b, 1),) if self.batches else ()
+        self.full_axes = ((self.r, self.rows_step), (self.c, min(free, cols))) + batch_axis
+        self.row_axes = ((self.r, self.rows_step), (None, 1)) + batch_axis
 
     def emit(self, op: TileOp) -> TileOp:
         self.body.append(op)
         return op
 
+    def layout(self, rows: int, cols: int) -> tuple[int, ...]:
+        """The HBM view the tile axes index: (rows, cols), or (batch, rows, cols) in a batch loop."""
+        return (self.batches, rows // self.batches, cols) if self.batches else (rows, cols)
+
     def build(self) -> list[TileOp]:
         rows, cols = self.group.domain
-        r = self.emit(TileOp(Ops.RANGE, None, arg=(self.r, rows, self.rows_step)))
-        c = self.emit(TileOp(Ops.RANGE, None, arg=(self.c, cols, self.full_axes[1][1])))
+        loops = []
+        if self.batches:
+            loops.append(self.emit(TileOp(Ops.RANGE, None, arg=(self.b, self.batches, 1))))
+        rows = self.layout(rows, cols)[-2]  # of one batch
+        loops.append(self.emit(TileOp(Ops.RANGE, None, arg=(self.r, rows, self.rows_step))))
+        loops.append(self.emit(TileOp(Ops.RANGE, None, arg=(self.c, cols, self.full_axes[1][1]))))
         for name in self.group.nodes:
             if name in self.group.inlined:
                 continue  # computed where it is loaded, on the consumer's broadcast tile
@@ -73,8 +87,8 @@ class _Loop:
             self.env[name] = tile
             if self.leaves(node):
                 self.store(node, tile)
-        self.emit(TileOp(Ops.END, None, srcs=(c,)))
-        self.emit(TileOp(Ops.END, None, srcs=(r,)))
+        for loop in reversed(loops):
+            self.emit(TileOp(Ops.END, None, srcs=(loop,)))
         return self.body
 
     def leaves(self, node) -> bool:
@@ -92,6 +106,14 @@ class _Loop:
             return self.lower_view(node)
         if cat == "matmul":
             return self.lower_matmul(node)
+        if node.target is GATHER:
+            return self.lower_gather(node)
+        if node.target in SCATTERS:
+            return self.lower_scatter(node)
+        if node.target in SCALAR_CONSTANTS:
+            return self.constant(node, self.axes(node))
+        if node.target in ARANGES:
+            return self.lower_arange(node)
         srcs, template = self.operands(node)
         op = Ops.REDUCE if cat == "reduction" else Ops.ALU
         target, args, kwargs = reduce_call(node, template) if cat == "reduction" else \
@@ -107,7 +129,11 @@ class _Loop:
         return self.emit(TileOp(Ops.BROADCAST, src.dtype, (src,), None, self.full_axes, "sbuf", f"{node.name}_sbuf"))
 
     def operands(self, node):
-        return _template(node, lambda value: self.env.get(value.name) or self.load(value, node))
+        return _template(node, lambda value: self.tile(value, node))
+
+    def tile(self, value, user) -> TileOp:
+        """`value`'s tile as `user` reads it: computed in this loop, or loaded."""
+        return self.env.get(value.name) or self.load(value, user)
 
     def load(self, value, user) -> TileOp:
         """A tile of `value` (from outside the group) broadcast to the shape `user` computes."""
@@ -121,9 +147,18 @@ class _Loop:
 
     def recompute(self, node, view, row: bool) -> TileOp:
         """An inlined producer: its inputs loaded broadcast to `view`, its op applied on that tile."""
+        axes = self.row_axes if row else self.full_axes
+        if node.target in SCALAR_CONSTANTS:
+            return self.constant(node, axes)
         srcs, (args, kwargs) = _template(node, lambda value: self.load_as(value, view, row))
-        return self.emit(TileOp(Ops.ALU, val(node).dtype, tuple(srcs), (node.target, args, kwargs),
-                                self.row_axes if row else self.full_axes, "sbuf", f"{node.name}_sbuf"))
+        return self.emit(TileOp(Ops.ALU, val(node).dtype, tuple(srcs), (node.target, args, kwargs), axes, "sbuf",
+                                f"{node.name}_sbuf"))
+
+    def constant(self, node, axes) -> TileOp:
+        """A constant (scalar_tensor, full) is a memset of its tile: the op itself would compute
+        the whole tensor, not a tile."""
+        value = node.args[1] if node.target is aten.full.default else node.args[0]
+        return self.emit(TileOp(Ops.FILL, val(node).dtype, (), value, axes, "sbuf", f"{node.name}_sbuf"))
 
     def load_as(self, value, view, row: bool) -> TileOp:
         key = (value.name, view)
@@ -132,7 +167,7 @@ class _Loop:
                 self.loads[key] = self.recompute(value, view, row)
             else:
                 rows, cols = self.group.domain
-                hbm = self.hbm_in(value, view, (rows, 1) if row else (rows, cols))
+                hbm = self.hbm_in(value, view, self.layout(rows, 1 if row else cols))
                 self.loads[key] = self.emit(TileOp(Ops.LOAD, val(value).dtype, (), (hbm, False),
                                                    self.row_axes if row else self.full_axes, "sbuf",
                                                    f"{value.name}_sbuf"))
@@ -154,26 +189,84 @@ class _Loop:
         rows, cols = self.group.domain
         name = f"{node.name}_hbm"
         self.kernel_out[name] = HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (),
-                                       (rows, 1) if self.is_row(node) else (rows, cols))
+                                       self.layout(rows, 1 if self.is_row(node) else cols))
         self.emit(TileOp(Ops.STORE, meta.dtype, (tile,), name))
 
     def lower_matmul(self, node) -> TileOp:
-        a, b = node.args
-        (m, k), n = shape(a), shape(b)[1]
-        spec = self.spec
+        dims = matmul_dims(node)
         acc = self.emit(TileOp(Ops.ZERO, FP32, (), None, self.full_axes, "psum", f"{node.name}_psum"))
         kvar = f"k{self.r[1:]}"
-        k_axis = (kvar, spec.partitions)
-        loop = self.emit(TileOp(Ops.RANGE, None, arg=(kvar, k, spec.partitions)))
-        a_name = self.hbm_in(a, (m, k), (m, k))
-        b_name = self.hbm_in(b, (k, n), (k, n))
-        lhs_t = self.emit(TileOp(Ops.LOAD, val(a).dtype, (), (a_name, True), (k_axis, self.full_axes[0]), "sbuf",
-                                 f"{a.name}T_sbuf"))
-        rhs = self.emit(TileOp(Ops.LOAD, val(b).dtype, (), (b_name, False), (k_axis, self.full_axes[1]), "sbuf",
-                               f"{b.name}_sbuf"))
+        k_axis = (kvar, self.spec.partitions)
+        loop = self.emit(TileOp(Ops.RANGE, None, arg=(kvar, dims.k, self.spec.partitions)))
+        batch_axis = self.full_axes[2:]
+        lhs_t = self.stationary(node, dims, (k_axis, self.full_axes[0]) + batch_axis)
+        rhs = self.moving(node, dims, (k_axis, self.full_axes[1]) + batch_axis)
         acc = self.emit(TileOp(Ops.MATMUL, FP32, (acc, lhs_t, rhs), None, acc.shape, "psum", acc.name))
         self.emit(TileOp(Ops.END, None, srcs=(loop,)))
         return self.emit(TileOp(Ops.COPY, val(node).dtype, (acc,), None, self.full_axes, "sbuf", f"{node.name}_sbuf"))
+
+    def stationary(self, node, dims, axes) -> TileOp:
+        """The [k, m] lhsT tile: the left operand loaded transposed; for a column sum a tile of
+        ones made on chip (memset), so the sum reads nothing but x from HBM."""
+        if node.target not in MATMULS:
+            dtype = val(node.args[0]).dtype
+            return self.emit(TileOp(Ops.FILL, dtype, (), 1, axes, "sbuf", f"{node.name}_ones_sbuf"))
+        lhs = node.args[0]
+        name = self.hbm_in(lhs, (), self.layout(dims.batch * dims.m, dims.k))
+        return self.emit(TileOp(Ops.LOAD, val(lhs).dtype, (), (name, True), axes, "sbuf", f"{lhs.name}T_sbuf"))
+
+    def moving(self, node, dims, axes) -> TileOp:
+        """The [k, n] rhs tile: the right operand, or the summed tensor viewed as [N, C]."""
+        rhs = node.args[1] if node.target in MATMULS else node.args[0]
+        name = self.hbm_in(rhs, (), self.layout(dims.batch * dims.k, dims.n))
+        return self.emit(TileOp(Ops.LOAD, val(rhs).dtype, (), (name, False), axes, "sbuf", f"{rhs.name}_sbuf"))
+
+    def one_hot(self, node, index: TileOp, axes) -> TileOp:
+        """mask[p, j] = (global column j == index[p]): one True per row, where the index points."""
+        iota = self.emit(TileOp(Ops.IOTA, index.dtype, (), index.dtype, axes, "sbuf", f"{node.name}_iota_sbuf"))
+        return self.emit(TileOp(Ops.ALU, torch.bool, (iota, index), (aten.eq.Tensor, (("$", 0), ("$", 1)), {}),
+                                axes, "sbuf", f"{node.name}_mask_sbuf"))
+
+    def lower_arange(self, node) -> TileOp:
+        """start + step * the global column index; a 1-D range runs along the free axis."""
+        if self.is_row(node) and shape(node)[0] > 1:
+            raise CompileError(f"{node.name}: a range of {shape(node)[0]} held as a row tile")
+        start, step = arange_bounds(node)
+        dtype, axes = val(node).dtype, self.axes(node)
+        tile = self.emit(TileOp(Ops.IOTA, dtype, (), dtype, axes, "sbuf", f"{node.name}_iota_sbuf"))
+        for target, operand in ((aten.mul.Tensor, step), (aten.add.Tensor, start)):
+            if operand != (1 if target is aten.mul.Tensor else 0):
+                tile = self.emit(TileOp(Ops.ALU, dtype, (tile,), (target, (("$", 0), operand), {}), axes, "sbuf",
+                                        f"{node.name}_sbuf"))
+        return tile
+
+    def lower_gather(self, node) -> TileOp:
+        """x[p, index[p]] as a reduction of the row: every other element is masked to the dtype's
+        lowest value and amax keeps the indexed one exactly (-0.0 and NaN included)."""
+        x, _, index = node.args[:3]
+        x_tile = self.tile(x, node)
+        # a row operand: `load` would read it as the whole rows a reduction's input is read as
+        index_tile = self.env.get(index.name) or self.load_as(index, shape(index), True)
+        mask = self.one_hot(node, index_tile, x_tile.shape)
+        dtype = val(node).dtype
+        kept = self.emit(TileOp(Ops.ALU, dtype, (mask, x_tile),
+                                (aten.where.ScalarOther, (("$", 0), ("$", 1), lowest(dtype)), {}),
+                                x_tile.shape, "sbuf", f"{node.name}_masked_sbuf"))
+        return self.emit(TileOp(Ops.REDUCE, dtype, (kept,), (aten.amax.default, (("$", 0), [-1], True), {}),
+                                self.axes(node), "sbuf", f"{node.name}_sbuf"))
+
+    def lower_scatter(self, node) -> TileOp:
+        """self with the element at index[p] of each row replaced by the value (or src[p])."""
+        dest, _, index, source = node.args[:4]
+        dtype, axes = val(node).dtype, self.axes(node)
+        if isinstance(source, torch.fx.Node):
+            new = self.tile(source, node)
+        else:  # a memset casts the scalar to the tensor's dtype as scatter does
+            new = self.emit(TileOp(Ops.FILL, dtype, (), source, self.row_axes, "sbuf", f"{node.name}_value_sbuf"))
+        mask = self.one_hot(node, self.tile(index, node), axes)
+        return self.emit(TileOp(Ops.ALU, dtype, (mask, new, self.tile(dest, node)),
+                                (aten.where.self, (("$", 0), ("$", 1), ("$", 2)), {}), axes, "sbuf",
+                                f"{node.name}_sbuf"))
 
 
 def reduce_call(node, template):
@@ -201,6 +294,14 @@ def _prim_reduce_call(target, args, kwargs):
     if target is torch.ops.prims.sum.default:
         return aten_op, (args[0], [-1], True), {"dtype": kwargs.get("output_dtype")}
     return aten_op, (args[0], [-1], True), {}
+
+
+def _batches(group: Group, nodes: dict) -> int:
+    """How many matmuls the group's bmm runs (0 for a group without a batch loop)."""
+    if group.kind != "matmul":
+        return 0
+    bmm = [nodes[n] for n in group.nodes if nodes[n].target is aten.bmm.default]
+    return matmul_dims(bmm[0]).batch if bmm else 0
 
 
 def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:

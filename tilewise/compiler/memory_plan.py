@@ -13,7 +13,7 @@ from ..errors import TileLimitError
 from .lower import default_free, lower_group, opaque_kernel
 from .ops import Reason, category, numel, shape
 from .region import Group, Region
-from .tile_ir import Kernel, Ops
+from .tile_ir import Kernel, Launch, Ops
 
 
 def live_bytes(kernel: Kernel) -> tuple[int, int]:
@@ -137,3 +137,25 @@ def _check(kernel, op, what: str, got: int, limit: int) -> None:
 def _fail(kernel, op, expected: str, got) -> None:
     where = f" at {op.name or op.op.value}" if op is not None else ""
     raise TileLimitError(f"kernel {kernel.name}{where}: expected {expected}, got {got}")
+
+
+def check_launch_limits(launch: Launch, spec: DeviceSpec) -> None:
+    """Every kernel's tile limits, and at every kernel its live tiles plus the values the launch
+    keeps resident at that point fit in SBUF (re-derived from the launch, not taken from the
+    schedule's bookkeeping)."""
+    live = [0] * len(launch.kernels)
+    for node, rows_cols in launch.resident:
+        made = [i for i, k in enumerate(launch.kernels)
+                if any((r.node, r.rows_cols) == (node, rows_cols) for r in k.outputs.values())]
+        read = [i for i, k in enumerate(launch.kernels)
+                if any(launch.on_chip(r) for r in k.inputs.values() if r.node == node)]
+        if len(made) != 1 or not read:
+            raise TileLimitError(f"launch {launch.name}: resident value {node} must be written by one kernel "
+                                 f"and read by another; written by {len(made)}, read by {len(read)}")
+        ref = next(r for r in launch.kernels[made[0]].outputs.values() if r.node == node)
+        for i in range(made[0], max(read) + 1):
+            live[i] += ref.sbuf_bytes_per_partition(spec.partitions)
+    for kernel, resident in zip(launch.kernels, live):
+        check_tile_limits(kernel, spec)
+        _check(kernel, None, "live SBUF bytes per partition with the launch's resident values",
+               live_bytes(kernel)[0] + resident, spec.sbuf_partition_bytes)

@@ -22,7 +22,13 @@ PRIM_ELEMENTWISE = frozenset(getattr(prims, name).default for name in (
     "div", "add", "sub", "mul", "neg", "exp", "rsqrt", "sqrt", "where", "maximum", "minimum", "pow",
     "convert_element_type", "tanh", "erf", "log", "abs", "reciprocal", "sigmoid") if hasattr(prims, name))
 BROADCAST_IN_DIM = prims.broadcast_in_dim.default
-MATMULS = frozenset({aten.mm.default})
+MATMULS = frozenset({aten.mm.default, aten.bmm.default})
+# Sums over leading dims that run on the TensorEngine as ones[N].T @ x[N, C] (see `matmul_dims`).
+COLUMN_SUMS = frozenset({aten.sum.dim_IntList, prims.sum.default})
+# Indexing along the last dim with one index per row, which the tile IR runs as a one-hot mask
+# (`iota == index`): gather is a reduction of each row, scatter an element-wise select.
+GATHER = aten.gather.default
+SCATTERS = frozenset({aten.scatter.value, aten.scatter.src})
 # Views that keep the row-major order of elements, so a tile of the input is a tile of the output.
 ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                          aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
@@ -34,6 +40,8 @@ EXPAND = aten.expand.default
 EXTRA_ELEMENTWISE = frozenset({aten.clone.default, aten._to_copy.default, aten.full_like.default,
                                aten.zeros_like.default, aten.ones_like.default})
 SCALAR_CONSTANTS = frozenset({aten.scalar_tensor.default, aten.full.default})
+# Integer ranges: start + step * the column index, made on chip (an iota) instead of loaded.
+ARANGES = frozenset({aten.arange.default, aten.arange.start_step})
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
@@ -78,9 +86,23 @@ def _is_elementwise(node) -> bool:
         return False
     if target is aten._to_copy.default:
         return _host_cast(node)
-    if target in SCALAR_CONSTANTS:
-        return numel(shape(node)) == 1
-    return torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE or target in PRIM_ELEMENTWISE
+    if target is aten.scalar_tensor.default:
+        return True
+    if target in ARANGES:
+        return arange_bounds(node) is not None
+    return target is aten.full.default or torch.Tag.pointwise in target.tags or target in EXTRA_ELEMENTWISE or target in PRIM_ELEMENTWISE
+
+
+def arange_bounds(node) -> tuple[int, int] | None:
+    """(start, step) of an integer arange along a tile's free axis; None for float ranges (their
+    rounding would have to follow PyTorch's accumulation exactly) and for keyword-only bounds."""
+    if val(node).dtype.is_floating_point or len(shape(node)) != 1:
+        return None
+    bounds = (0, node.args[0], 1) if node.target is aten.arange.default else (tuple(node.args) + (1,))[:3]
+    if len(node.args) < (1 if node.target is aten.arange.default else 2) or \
+            not all(type(b) is int for b in bounds):
+        return None
+    return bounds[0], bounds[2]
 
 
 def _host_cast(node) -> bool:
@@ -106,10 +128,16 @@ def category(node) -> str:
     target = node.target
     if target is operator.getitem or target is aten.copy_.default:
         return "glue"
+    if isinstance(target, torch._ops.OpOverload) and _is_view(target) and isinstance(val(node), (list, tuple)):
+        return "glue"  # split/unbind: a list of views, host metadata (their readers load through strides)
     if not isinstance(target, torch._ops.OpOverload) or not _tensor_out(node):
         return "opaque"
     if target in MATMULS:
         return "matmul" if val(node).dtype in FLOATS else "opaque"
+    if target in COLUMN_SUMS and is_column_sum(node):
+        return "matmul"
+    if target is GATHER or target in SCATTERS:
+        return ("reduction" if target is GATHER else "elementwise") if one_index_per_row(node) else "opaque"
     if target in REDUCTIONS or target in PRIM_REDUCTIONS:
         return "reduction"
     if _is_view(target):
@@ -117,6 +145,64 @@ def category(node) -> str:
     if _is_elementwise(node):
         return "elementwise"
     return "opaque"
+
+
+def opaque_reason(node) -> Reason:
+    if node.target is GATHER or node.target in SCATTERS:
+        return Reason("opaque", f"{node.target} has a tile lowering only along the last dim with one index "
+                                "per row (index shaped [..., 1], src shaped like the index)")
+    return Reason("opaque", f"no tile lowering for {node.target}")
+
+
+def is_column_sum(node) -> bool:
+    """A float sum over the leading dims 0..d-1 (d < ndim): a reduction across partitions, which
+    the VectorEngine cannot do along its free axis but the TensorEngine does as a matmul."""
+    x = val(node.args[0])
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS or val(node).dtype not in FLOATS:
+        return False
+    dims = reduced_dims(node)
+    return 0 < len(dims) < x.dim() and dims == list(range(len(dims)))
+
+
+class MatmulDims(NamedTuple):
+    """out[b, m, n] = sum over k of lhs[b, m, k] * rhs[b, k, n], for each of `batch` matmuls."""
+    batch: int
+    m: int
+    k: int
+    n: int
+
+
+def matmul_dims(node) -> MatmulDims:
+    """The matmul a "matmul" node performs; a column sum of x is ones[1, N] @ x viewed as [N, C]."""
+    lhs = shape(node.args[0])
+    if node.target is aten.bmm.default:
+        return MatmulDims(*lhs, shape(node.args[1])[2])
+    if node.target is aten.mm.default:
+        return MatmulDims(1, *lhs, shape(node.args[1])[1])
+    leading = len(reduced_dims(node))
+    return MatmulDims(1, 1, numel(lhs[:leading]), numel(lhs[leading:]))
+
+
+def one_index_per_row(node) -> bool:
+    """gather/scatter along the last dim with an index shaped [..., 1] (and src shaped like it)."""
+    if len(node.args) < (3 if node.target is GATHER else 4):
+        return False  # operands passed by keyword: left to the host
+    x, dim, index = node.args[:3]
+    if not isinstance(val(x), torch.Tensor) or not isinstance(val(index), torch.Tensor):
+        return False
+    dims = shape(x)
+    if not dims or not isinstance(dim, int) or dim % len(dims) != len(dims) - 1:
+        return False
+    if shape(index) != dims[:-1] + (1,):
+        return False
+    return node.target is not aten.scatter.src or shape(node.args[3]) == shape(index)
+
+
+def lowest(dtype: torch.dtype):
+    """The identity of amax for `dtype`: a masked-out element never wins the row's max."""
+    if dtype.is_floating_point:
+        return float("-inf")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 def reduced_dims(node) -> list[int]:

@@ -8,11 +8,12 @@ final order is a networkx topological sort of the group graph.
 """
 from __future__ import annotations
 
-import networkx as nx
 import torch
 
 from ..errors import CompileError
-from .ops import BROADCAST_IN_DIM, EXPAND, ORDER_VIEWS, Reason, category, numel, reduced_dims, shape, strip, tensor_inputs
+from .order import contiguous_order
+from .ops import (ARANGES, BROADCAST_IN_DIM, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
+                  opaque_reason, reduced_dims, shape, strip, tensor_inputs)
 from .region import Group, Region
 
 FUSABLE = ("elementwise", "reduction", "matmul")
@@ -159,17 +160,25 @@ def _view_fit(node, group: _G):
 
 
 def _reduction_fit(node, group: _G):
+    """A reduction of args[0]'s last dim; gather's index (args[2]) is a row operand beside it."""
     arg = node.args[0]
     dims, in_shape = reduced_dims(node), shape(arg)
     if not in_shape or dims != [len(in_shape) - 1]:
         return Reason("reduction", f"{node.name} reduces dims {dims} of {list(in_shape)}, not only the last")
+    domain = (numel(in_shape) // max(in_shape[-1], 1), in_shape[-1])
     if group is None:
-        return (numel(in_shape) // max(in_shape[-1], 1), in_shape[-1]), True
+        return domain, True
     if group.kind == "matmul":
         return Reason("kind", f"reduction {node.name} after a matmul stays in its own kernel")
     if arg.name in group.rows and in_shape[-1] != 1:
         return Reason("domain", f"{arg.name} is a row tile")
-    return group.domain, True
+    index = node.args[2] if node.target is GATHER else None
+    if index is not None and index.name in group.names and index.name not in group.rows:
+        return Reason("domain", f"index {index.name} of {node.name} is a full tile, not a row")
+    joint = _joint_domain(group.domain, domain)  # the group may hold only the index, as rows
+    if joint is None:
+        return Reason("domain", f"{node.name} reads rows of {list(in_shape)}, not {group.domain}")
+    return joint, True
 
 
 def _fit(node, cat: str, group: _G | None):
@@ -192,6 +201,8 @@ def _place(state: _Groups, node, cat: str) -> None:
             candidates.append(gid)
     if cat == "view":
         candidates = candidates[:1] if node.args[0].name in state.owner else []
+    if cat == "matmul":
+        candidates = []  # no prologue fusion: a matmul loads its operands whole, per contraction tile
     for gid in candidates:
         group = state.groups[gid]
         fit = _fit(node, cat, group) if state.convex_with(node, group) else \
@@ -213,8 +224,8 @@ def _seed(state: _Groups, node, cat: str) -> None:
         state.new(node, "glue")
         return
     if cat == "matmul":
-        out = shape(node)
-        state.new(node, "matmul", (out[0], out[1]), row=out[1] == 1)
+        dims = matmul_dims(node)  # a batched matmul's rows run over its batches, as its output's do
+        state.new(node, "matmul", (dims.batch * dims.m, dims.n), row=dims.n == 1)
         return
     fit = _fit(node, cat, None)
     if isinstance(fit, Reason):
@@ -250,7 +261,7 @@ def partition(region: Region) -> Region:
         if cat in ("source", "output"):
             continue
         if cat == "opaque":
-            state.refused.append((node.name, Reason("opaque", f"no tile lowering for {node.target}")))
+            state.refused.append((node.name, opaque_reason(node)))
             state.new(node, "opaque")
         elif cat == "glue":
             state.new(node, "glue")
@@ -275,8 +286,8 @@ def _inline_broadcast_producers(state: _Groups) -> None:
     for producer in list(state.groups.values()):
         if producer.kind != "elementwise" or producer.id not in state.groups:
             continue
-        if any(category(n) != "elementwise" for n in producer.nodes):
-            continue
+        if any(category(n) != "elementwise" or n.target in SCATTERS or n.target in ARANGES for n in producer.nodes):
+            continue  # a scatter's index must stay a row; a range follows the free axis of its own tile
         users = {u for n in producer.nodes for u in n.users if u.name not in producer.names}
         owners = {state.owner.get(u.name) for u in users}
         if len(owners) != 1 or None in owners:
@@ -328,32 +339,8 @@ def _only_written_back(group: Group, nodes: dict) -> bool:
 
 
 def _reorder(gm: torch.fx.GraphModule, groups: list[Group]) -> torch.fx.GraphModule:
-    """A graph whose nodes are ordered so that each group is contiguous (networkx topo sort)."""
-    nodes = list(gm.graph.nodes)
-    unit = {name: f"g{g.id}" for g in groups for name in g.nodes}
-    dag = nx.DiGraph()
-    first: dict[str, int] = {}
-    for node in nodes:
-        u = unit.get(node.name, node.name)
-        first.setdefault(u, _position(node))
-        dag.add_node(u)
-        for arg in node.all_input_nodes:
-            a = unit.get(arg.name, arg.name)
-            if a != u:
-                dag.add_edge(a, u)
-    try:
-        order = list(nx.lexicographical_topological_sort(dag, key=lambda u: first[u]))
-    except nx.NetworkXUnfeasible:
-        raise CompileError("fusion groups form a cycle; partition produced a non-convex group") from None
-    members: dict[str, list] = {}
-    for node in nodes:
-        members.setdefault(unit.get(node.name, node.name), []).append(node)
-    graph = torch.fx.Graph()
-    env: dict = {}
-    for u in order:
-        for node in members[u]:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    new = torch.fx.GraphModule(gm, graph)
+    """A graph whose nodes are ordered so that each group is contiguous."""
+    new = contiguous_order(gm, {name: f"g{g.id}" for g in groups for name in g.nodes})
     for node in new.graph.nodes:
         node.meta.pop("_tw_pos", None)
     return new

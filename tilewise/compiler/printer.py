@@ -14,11 +14,14 @@ def dtype_str(dtype) -> str:
 
 
 def _axes(shape) -> str:
-    return ", ".join(f"{var}:{size}" if var else str(size) for var, size in shape)
+    """A tile's axes; a batch axis (one slab at a time) first, as in the HBM view it indexes."""
+    return ", ".join([var for var, _ in shape[2:]] + [f"{var}:{size}" if var else str(size) for var, size in shape[:2]])
 
 
-def _index(shape) -> str:
-    return ", ".join(var if var else "0" for var, _ in shape)
+def _index(tile: TileOp, transpose: bool = False) -> str:
+    """Where a tile sits in its HBM view: [batch, ]rows, cols (a transposed load swaps the two)."""
+    axes = tile.shape[1::-1] if transpose else tile.shape[:2]
+    return ", ".join(([tile.batch] if tile.batch else []) + [var if var else "0" for var, _ in axes])
 
 
 def _arg_text(template, srcs: tuple[TileOp, ...]) -> str:
@@ -36,10 +39,15 @@ def format_op(op: TileOp) -> str:
         return f"for {var} in range(0, {extent}, {step}):"
     if op.op is Ops.LOAD:
         hbm, transpose = op.arg
-        src = f"{hbm}[{_index(op.shape[::-1] if transpose else op.shape)}]" + (".T" if transpose else "")
+        src = f"{hbm}[{_index(op, transpose)}]" + (".T" if transpose else "")
         return f"{op.name} = load {src}"
     if op.op is Ops.STORE:
-        return f"store {op.arg}[{_index(op.srcs[0].shape)}] <- {op.srcs[0].name}"
+        return f"store {op.arg}[{_index(op.srcs[0])}] <- {op.srcs[0].name}"
+    if op.op is Ops.FILL:
+        return f"{op.name} = fill({op.arg!r})"
+    if op.op is Ops.IOTA:
+        var, size = op.shape[1]
+        return f"{op.name} = iota({var + ' + ' if var else ''}arange({size}))"
     if op.op in (Ops.ALU, Ops.REDUCE):
         target, args, kwargs = op.arg
         text = ", ".join([_arg_text(a, op.srcs) for a in args] +
@@ -73,7 +81,7 @@ def format_body(body: tuple[TileOp, ...], indent: int = 2) -> list[str]:
 
 def _ref_text(ref) -> str:
     shape = list(ref.shape)
-    view = f" as [{ref.rows_cols[0]}, {ref.rows_cols[1]}]"
+    view = f" as [{', '.join(str(size) for size in ref.rows_cols)}]"
     return f"{ref.node} {dtype_str(ref.dtype)}{shape}{view}"
 
 
@@ -85,6 +93,16 @@ def format_kernel(kernel: Kernel) -> str:
     lines += [f"  in  {name:<12} <- {_ref_text(ref)}" for name, ref in kernel.inputs.items()]
     lines += [f"  out {name:<12} -> {_ref_text(ref)}" for name, ref in kernel.outputs.items()]
     return "\n".join(lines + format_body(kernel.body))
+
+
+def format_launch(launch) -> str:
+    """`launch NAME: k1, k2, ...` and which values stay in SBUF between its kernels."""
+    text = f"launch {launch.name}: {', '.join(k.name for k in launch.kernels)}"
+    if launch.resident:
+        kept = ", ".join(sorted(node + (" (also to HBM)" if node in launch.stored else "")
+                                for node, _ in launch.resident))
+        text += f"; in SBUF between kernels: {kept} ({launch.resident_bytes_per_partition / 1024:.1f} KiB/partition)"
+    return text
 
 
 def format_graph(graph: torch.fx.Graph, note_of=None) -> list[str]:

@@ -6,12 +6,12 @@ tile kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .printer import format_graph
-from .tile_ir import Kernel
+from .tile_ir import Kernel, Launch
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Region:
     name: str = "region"
     groups: tuple[Group, ...] = ()
     kernels: tuple[Kernel, ...] = ()
+    launches: tuple[Launch, ...] = ()  # the kernels grouped into device launches, in run order
     refused: tuple = ()              # (node or group name, reason)
     cost: tuple = ()                 # (kernel name, engine, seconds, hbm bytes, flops)
 
@@ -57,8 +58,11 @@ class Region:
         for kernel in self.kernels:
             lines.append("")
             lines.extend("  " + line for line in str(kernel).splitlines())
+        if self.launches:
+            lines.append("")
+        lines.extend("  " + str(launch) for launch in self.launches)
         for entry in self.cost:
-            lines.append(f"  # cost {entry[0]}: {entry[1]} {entry[2] * 1e6:.2f} us, "
+            lines.append(f"  # cost of launch {entry[0]}: {entry[1]} {entry[2] * 1e6:.2f} us, "
                          f"{entry[3]} HBM bytes, {entry[4]} flops")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")

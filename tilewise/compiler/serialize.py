@@ -10,7 +10,7 @@ import operator
 import torch
 
 from ..errors import CompileError
-from .tile_ir import HbmRef, Kernel, Ops, TileOp
+from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 _NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims}
 
@@ -127,3 +127,15 @@ def kernel_from_json(data: dict) -> Kernel:
     return Kernel(name=data["name"], kind=data["kind"], nodes=tuple(data["nodes"]), inputs=refs(data["inputs"]),
                   outputs=refs(data["outputs"]), body=tuple(body), sbuf_bytes_per_partition=data["sbuf"],
                   opaque_target=data["opaque_target"])
+
+
+def launch_to_json(launch: Launch) -> dict:
+    return {"name": launch.name, "kernels": [kernel_to_json(k) for k in launch.kernels],
+            "resident": encode(sorted(launch.resident)), "stored": sorted(launch.stored),
+            "resident_bytes": launch.resident_bytes_per_partition}
+
+
+def launch_from_json(data: dict) -> Launch:
+    return Launch(name=data["name"], kernels=tuple(kernel_from_json(k) for k in data["kernels"]),
+                  resident=frozenset(decode(data["resident"])), stored=frozenset(data["stored"]),
+                  resident_bytes_per_partition=data["resident_bytes"])

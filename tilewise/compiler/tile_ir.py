@@ -3,10 +3,14 @@
 A kernel body is a flat, ordered tuple of `TileOp`s with explicit RANGE/END loops (tinygrad-style).
 Every tile names the loop variable that bounds each of its two axes, so the interpreter and the
 cost model derive the valid extent of an edge tile the same way: `min(step, extent - start)`.
+A batched matmul's loop nest runs inside a batch loop: its tiles carry a third, trailing axis
+(batch variable, 1) that says which [rows x cols] slab of a (batch, rows, cols) HBM view a load
+reads or a store writes.
 """
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +28,8 @@ class Ops(enum.Enum):
     ZERO = "zero"            # clear a PSUM accumulator before a contraction loop
     MATMUL = "matmul"        # TensorEngine: srcs = (acc_psum, lhsT_sbuf, rhs_sbuf); acc += lhsT.T @ rhs
     COPY = "copy"            # PSUM -> SBUF evacuation, casting to the tile's dtype
+    FILL = "fill"            # memset: every element = arg (e.g. the ones of a column sum's stationary tile)
+    IOTA = "iota"            # each element's global free-axis index (loop start + 0..f-1): arg = dtype
 
 
 # Axis of a tile: (loop variable or None for a size-1 axis, largest size of the tile on that axis).
@@ -36,12 +42,17 @@ class TileOp:
     dtype: torch.dtype | None
     srcs: tuple["TileOp", ...] = ()
     arg: Any = None
-    shape: tuple[Axis, ...] = ()   # (partition axis, free axis) for tiles; () for loops/stores
+    shape: tuple[Axis, ...] = ()   # (partition axis, free axis[, batch axis]) for tiles; () for loops/stores
     space: str | None = None       # "sbuf" or "psum" for tiles that occupy on-chip memory
     name: str = ""                 # printed name, carries the memory space (x_sbuf, acc_psum)
 
     def replace(self, **changes) -> "TileOp":
         return replace(self, **changes)
+
+    @property
+    def batch(self) -> str | None:
+        """The batch loop variable of a tile in a batched loop nest, else None."""
+        return self.shape[2][0] if len(self.shape) > 2 else None
 
     def tile_bytes_per_partition(self) -> int:
         if not self.shape or self.dtype is None:
@@ -61,7 +72,13 @@ class HbmRef:
     stride: tuple[int, ...]
     dtype: torch.dtype
     view: tuple[int, ...] = ()    # broadcast target shape before flattening ( () = own shape )
-    rows_cols: tuple[int, int] = (1, 1)  # the 2-D view the tile axes index
+    rows_cols: tuple[int, ...] = (1, 1)  # the 2-D view the tile axes index; (batch, rows, cols) when batched
+
+    def sbuf_bytes_per_partition(self, partitions: int) -> int:
+        """SBUF the whole value takes per partition when held on chip: rows (of every batch)
+        spread over the partitions, each partition holding whole rows."""
+        *batch, rows, cols = self.rows_cols
+        return math.prod(batch) * -(-rows // partitions) * cols * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -81,3 +98,27 @@ class Kernel:
     def __str__(self) -> str:
         from .printer import format_kernel
         return format_kernel(self)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Kernels run back to back as one device program (one launch, like one NEFF on hardware).
+
+    A value one kernel stores and a later kernel of the launch loads in the same 2-D layout stays
+    in SBUF between them (`resident`): the later load reads SBUF instead of HBM. It is written to
+    HBM as well only when something outside the launch reads it (`stored`).
+    """
+    name: str
+    kernels: tuple[Kernel, ...]
+    resident: frozenset = frozenset()   # (region value, (rows, cols) layout) kept in SBUF in this launch
+    stored: frozenset = frozenset()     # names of resident values also written to HBM
+    resident_bytes_per_partition: int = 0  # peak SBUF the resident values take, beside the kernels' tiles
+
+    def on_chip(self, ref: HbmRef, transpose: bool = False) -> bool:
+        """Whether an access to `ref` is served from SBUF: resident, and read in the layout it was
+        written in (rows on partitions, untransposed, not broadcast)."""
+        return (ref.node, ref.rows_cols) in self.resident and not transpose and ref.view in ((), ref.shape)
+
+    def __str__(self) -> str:
+        from .printer import format_launch
+        return format_launch(self)

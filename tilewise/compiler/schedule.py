@@ -1,0 +1,83 @@
+"""Pass 5: schedule the kernels into launches and keep what passes between them in SBUF.
+
+A launch runs consecutive tile kernels back to back as one device program, the way one NEFF runs a
+whole graph on hardware: one launch overhead for all of them. An opaque op has no tile program, so
+it runs alone, as a launch of its own, and ends the launch before it; the graph is therefore
+reordered first so that opaque kernels run as late as their users allow (fewer breaks).
+
+Within a launch, a value that one kernel stores and a later kernel loads in the same 2-D layout
+stays resident in SBUF instead of making an HBM round trip, as long as all resident values fit
+beside each kernel's own live tiles (a value that does not fit goes through HBM, and the refusal
+says so). A resident value is still written to HBM when anything outside the launch reads it.
+"""
+from __future__ import annotations
+
+from ..device.spec import DeviceSpec
+from .ops import Reason
+from .order import contiguous_order
+from .region import Region
+from .tile_ir import HbmRef, Kernel, Launch, Ops
+
+
+def schedule(region: Region, spec: DeviceSpec) -> Region:
+    unit_of = {name: kernel.name for kernel in region.kernels for name in kernel.nodes}
+    late = frozenset(k.name for k in region.kernels if k.kind == "opaque")
+    gm = contiguous_order(region.gm, unit_of, late)
+    position = {node.name: index for index, node in enumerate(gm.graph.nodes)}
+    kernels = sorted(region.kernels, key=lambda k: min(position[n] for n in k.nodes))
+    users = {node.name: [u.name for u in node.users] for node in gm.graph.nodes}
+    launches, refused = [], list(region.refused)
+    for run in _runs(kernels):
+        launch, spilled = _launch(run, f"launch_{len(launches)}", unit_of, users, spec)
+        launches.append(launch)
+        refused += spilled
+    return region.replace(pass_name="schedule", gm=gm, kernels=tuple(kernels), launches=tuple(launches),
+                          refused=tuple(refused))
+
+
+def _runs(kernels: list[Kernel]) -> list[list[Kernel]]:
+    """Maximal runs of consecutive tile kernels; every opaque kernel is a run of its own."""
+    runs: list[list[Kernel]] = []
+    for kernel in kernels:
+        if kernel.kind != "opaque" and runs and runs[-1][-1].kind != "opaque":
+            runs[-1].append(kernel)
+        else:
+            runs.append([kernel])
+    return runs
+
+
+def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: DeviceSpec):
+    if len(kernels) == 1:
+        return Launch(kernels[0].name, tuple(kernels)), []
+    index_of = {k.name: i for i, k in enumerate(kernels)}
+    working = [k.sbuf_bytes_per_partition for k in kernels]
+    live = [0] * len(kernels)
+    resident, stored, refused = set(), set(), []
+    for i, kernel in enumerate(kernels):
+        for ref in kernel.outputs.values():
+            readers = {index_of.get(unit_of.get(u), -1) for u in users[ref.node]} - {i}  # -1: outside
+            direct = {j for j in readers if j > i and _reads_on_chip(kernels[j], ref)}
+            if not direct:
+                continue
+            size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
+            if max(working[k] + live[k] for k in range(i, last + 1)) + size > spec.sbuf_partition_bytes:
+                refused.append((f"{ref.node} -> SBUF", Reason(
+                    "sbuf", f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
+                            f"{name}; it goes through HBM")))
+                continue
+            for k in range(i, last + 1):
+                live[k] += size
+            resident.add((ref.node, ref.rows_cols))
+            if len(direct) < len(readers):
+                stored.add(ref.node)
+    launch = Launch(name, tuple(kernels), frozenset(resident), frozenset(stored), max(live))
+    return launch, refused
+
+
+def _reads_on_chip(kernel: Kernel, produced: HbmRef) -> bool:
+    """Whether `kernel` reads the value only in the layout `produced` wrote it in, untransposed."""
+    names = [name for name, ref in kernel.inputs.items() if ref.node == produced.node]
+    if not names or any(kernel.inputs[n].rows_cols != produced.rows_cols
+                        or kernel.inputs[n].view not in ((), produced.shape) for n in names):
+        return False
+    return not any(op.op is Ops.LOAD and op.arg[0] in names and op.arg[1] for op in kernel.body)
