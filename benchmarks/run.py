@@ -1,5 +1,6 @@
-"""Every workload under every contender, side by side: host and simulated time per step, kernels,
-compiles, cache hits, time until the first compiled step and the total time including compilation.
+"""Every workload under every contender, side by side: host and simulated time per step, kernel
+launches per step, compiles and the median cold compile time per region (ms/compile), cache hits,
+time until the first compiled step and the total time including compilation.
 
 Workloads: an MLP training step, a small GPT training step (AdamW), a memory-bound elementwise
 chain (GELU written out as 8 ops, then mean/variance normalisation over the last dim of a
@@ -163,8 +164,10 @@ class Meter:
             return {"compiles": counters["stats"]["unique_graphs"]} if self.inductor else {}
         import tilewise
         s = tilewise.stats()
+        per_region = [r.compile_seconds for r in s.regions.values() if r.compile_seconds > 0]
         return {"compiles": s.compiles, "compile_s": s.compile_seconds, "cache_hits": s.cache_hits,
-                "cache_misses": s.cache_misses, "compiled_fraction": s.compiled_fraction}
+                "cache_misses": s.cache_misses, "compiled_fraction": s.compiled_fraction,
+                "median_compile_ms_per_region": 1e3 * statistics.median(per_region) if per_region else None}
 
 
 def _contender_setup(contender: str):
@@ -271,7 +274,7 @@ def summarise(samples: list[dict], totals: dict) -> dict:
               "total_s": sum(host), "first_compiled_s": _first_compiled(samples, totals), **totals}
     if "simulated_s" in samples[0]:
         result["simulated_ms_per_step"] = 1e3 * statistics.median(s["simulated_s"] for s in samples)
-        result["kernels_per_step"] = statistics.median(s["kernels"] for s in samples)
+        result["launches_per_step"] = statistics.median(s["kernels"] for s in samples)
         lookups = totals["cache_hits"] + totals["cache_misses"]
         result["cache_hit_rate"] = totals["cache_hits"] / lookups if lookups else None
     return result
@@ -288,13 +291,13 @@ def _first_compiled(samples: list[dict], totals: dict) -> float | None:
 
 
 # -- output -----------------------------------------------------------------------------------------
-COLUMNS = ("contender", "host ms/step", "vs cpu", "sim ms/step", "kernels/step", "compiles", "cache hits",
-           "1st compiled s", "total s")
+COLUMNS = ("contender", "host ms/step", "vs cpu", "sim ms/step", "launches/step", "compiles", "ms/compile",
+           "cache hits", "1st compiled s", "total s")
 
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("cpu eager", {}).get("host_ms_per_step")
-    widths = (18, 13, 8, 12, 13, 9, 11, 15, 9)
+    widths = (18, 13, 8, 12, 14, 9, 11, 11, 15, 9)
     lines = ["".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
     for contender, r in results.items():
         if "error" in r or "skipped" in r:
@@ -302,9 +305,9 @@ def table(results: dict[str, dict]) -> str:
             lines.append(f"{contender:<18} {why}")
             continue
         cells = (r["host_ms_per_step"], r["host_ms_per_step"] / base if base else None,
-                 r.get("simulated_ms_per_step"), r.get("kernels_per_step"), r.get("compiles"),
-                 r.get("cache_hit_rate"), r["first_compiled_s"], r["total_s"])
-        formats = ("{:.2f}", "{:.2f}x", "{:.3f}", "{:.0f}", "{}", "{:.0%}", "{:.2f}", "{:.2f}")
+                 r.get("simulated_ms_per_step"), r.get("launches_per_step"), r.get("compiles"),
+                 r.get("median_compile_ms_per_region"), r.get("cache_hit_rate"), r["first_compiled_s"], r["total_s"])
+        formats = ("{:.2f}", "{:.2f}x", "{:.3f}", "{:.0f}", "{}", "{:.0f}", "{:.0%}", "{:.2f}", "{:.2f}")
         lines.append(f"{contender:<18}" + "".join(
             f"{'-' if v is None else f.format(v):>{w}}" for v, f, w in zip(cells, formats, widths[1:])))
     return "\n".join(lines)

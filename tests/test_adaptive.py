@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tilewise
-from tilewise.workloads import WORKLOADS, train_gpt, train_mlp, train_seq
+from tilewise.workloads import WORKLOADS, train_seq
 
 MODES = ["eager", "adaptive", "compiled"]
 

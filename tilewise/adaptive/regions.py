@@ -15,7 +15,7 @@ import torch.fx
 
 from ..device.runtime import DEVICE
 from .analysis import storages
-from .segment import FUNCTIONAL, VIEW, Node, Segment
+from .segment import FUNCTIONAL, Segment
 
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})

@@ -103,7 +103,7 @@ class Stats:
             f"  regions found {self.regions_found}, compiles {self.compiles} "
             f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
-            f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernels, "
+            f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
         ]
         if self.guard_misses:
@@ -113,7 +113,7 @@ class Stats:
             lines += [f"    {op:<28} {reason:<44} x{n:<6} {self.fallback_sources.get((op, reason)) or ''}"
                       for (op, reason), n in self.fallbacks.most_common(15)]
         if self.regions:
-            lines.append("  regions (name, ops, hits, misses, compile s, kernels, simulated ms):")
+            lines.append("  regions (name, ops, hits, misses, compile s, launches, simulated ms):")
             lines += [f"    {r.name:<14} {r.ops:>5} {r.hits:>6} {r.misses:>4} {r.compile_seconds:>8.3f} "
                       f"{r.kernels:>4} {r.simulated_seconds * 1e3:>10.4f}"
                       for r in list(self.regions.values())[:20]]

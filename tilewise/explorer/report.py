@@ -62,7 +62,7 @@ def _regions(run: dict) -> str:
     if not rows:
         return '<h2 id="regions">Regions</h2><p>No region was compiled.</p>'
     return ('<h2 id="regions">Regions</h2>'
-            + _table(["region", "ops", "op kinds", "hits", "misses", "compile s", "kernels", "simulated ms",
+            + _table(["region", "ops", "op kinds", "hits", "misses", "compile s", "launches", "simulated ms",
                       "in segments", "refused fusions"], rows, numeric=(1, 3, 4, 5, 6, 7)))
 
 

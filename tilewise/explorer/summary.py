@@ -108,7 +108,7 @@ def headline(stats: dict) -> list[tuple[str, str]]:
         ("recompiles", f"{stats['recompiles']}"),
         ("cache hits / misses", f"{stats['cache_hits']} / {stats['cache_misses']}"),
         ("simulated device time", f"{stats['simulated_seconds'] * 1e3:.3f} ms"),
-        ("kernels", f"{stats['kernels']}"),
+        ("kernel launches", f"{stats['kernels']}"),
         ("HBM traffic", f"{stats['hbm_bytes'] / 2**20:.2f} MiB"),
         ("host transfers", f"{stats['transfers']}"),
         ("random draws", f"{stats['random_draws']}"),
