@@ -424,6 +424,29 @@ def op_cat(b, out, a):
     return f"{out} = torch.{fn}([{a}, {other}], dim={d})"
 
 
+def op_index(b, out, a):
+    """Indexing by in-range indices computed from the data: gather/scatter along the last dim, a
+    cross entropy, an integer range, and a batched matmul."""
+    t = b.tensor(a)
+    if t.dim() == 0 or t.shape[-1] == 0 or not t.is_floating_point():
+        return None
+    n = t.shape[-1]
+    index = f"({a}.detach().abs() * 7).long().remainder({n})[..., :1]"
+    form = b.draw(st.sampled_from(["gather", "scatter", "cross_entropy", "arange", "bmm"]))
+    if form == "gather":
+        return f"{out} = torch.gather({a}, -1, {index})"
+    if form == "scatter":
+        return f"{out} = {a}.scatter(-1, {index}, {_const(b, t)})"
+    if form == "cross_entropy":
+        return f"{out} = F.cross_entropy({a}, {index}.squeeze(-1))" if t.dim() == 2 else None
+    if form == "arange":
+        return f"{out} = {a} * (torch.arange({n}, device={a}.device) % 3)"
+    if t.dim() != 3:
+        return None
+    w = b.fresh((t.shape[0], n, b.draw(st.sampled_from(SIZES))), _dtype_name(t.dtype))
+    return f"{out} = torch.bmm({a}, {w})"
+
+
 def op_sync(b, out, a):
     """Sync points in the middle of a program: reads of device data and explicit syncs."""
     form = b.draw(st.sampled_from(["sync", "item", "branch", "masked", "dropout", "nonzero"]))
@@ -442,7 +465,7 @@ def op_sync(b, out, a):
 
 
 OPS = [(op_unary, 4), (op_scalar, 3), (op_binary, 4), (op_reduce, 3), (op_matmul, 2), (op_view, 4),
-       (op_inplace, 3), (op_cast, 1), (op_cat, 1), (op_sync, 1)]
+       (op_inplace, 3), (op_cast, 1), (op_cat, 1), (op_index, 2), (op_sync, 1)]
 _WEIGHTED = [op for op, weight in OPS for _ in range(weight)]
 
 

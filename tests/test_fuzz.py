@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 import fuzzing
 import tilewise
 
-CI_PROGRAMS = 60
+CI_PROGRAMS = 70
 
 # programs hit PyTorch's own warnings (var of one element, .item() of a grad tensor), as on the CPU
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
