@@ -53,7 +53,7 @@ def regions():
 
 
 def main() -> None:
-    print(f"{'region':<24}{'ops':>6}{'kernels':>9}{'median cold compile':>22}")
+    print(f"{'region':<24}{'ops':>6}{'kernels':>9}{'launches':>10}{'median cold compile':>22}")
     with tilewise.config.patch(cache_dir=""):
         for name, fn, inputs in regions():
             gm = make_fx(fn)(*[t.clone() for t in inputs])
@@ -64,7 +64,8 @@ def main() -> None:
                 compiled = compile_graph(gm, inputs)
                 times.append(time.perf_counter() - start)
             ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-            print(f"{name:<24}{ops:>6}{len(compiled.kernels):>9}{statistics.median(times) * 1e3:>19.1f} ms")
+            print(f"{name:<24}{ops:>6}{len(compiled.kernels):>9}{len(compiled.launches):>10}"
+                  f"{statistics.median(times) * 1e3:>19.1f} ms")
 
 
 if __name__ == "__main__":
