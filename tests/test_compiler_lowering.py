@@ -267,3 +267,34 @@ def test_integer_arange_values(args):
 def test_float_arange_stays_on_the_host():
     compiled = check(lambda x: x + torch.arange(0.0, 1.0, 0.1), [torch.zeros(10)])
     assert "opaque" in kinds(compiled)
+
+
+# -- cat along the last dim: a copy kernel that stores each part at its column offset ---------------
+
+@pytest.mark.parametrize("widths,rows", [((32, 5, 32), (4, 16)), ((600, 1, 0, 7), (130,)), ((3,), (2, 3))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_cat_along_the_last_dim_is_a_copy_kernel_in_the_launch_of_its_neighbours(widths, rows, dtype):
+    parts = [(torch.randn(*rows, w) * 10).to(dtype) for w in widths]
+    fn = lambda *parts: torch.cat([p * 2 for p in parts], -1) + 1
+    compiled = check(fn, parts)
+    assert "concat" in kinds(compiled) and "opaque" not in kinds(compiled)
+    assert len(compiled.launches) == 1
+
+
+def test_stack_along_a_new_last_dim_and_the_split_backward_use_the_copy_kernel():
+    def fn(x, w):
+        x = x.detach().requires_grad_()
+        q, k, v = (x @ w).split(8, dim=-1)
+        loss = (q * k).sum() + torch.stack([q, v], -1).tanh().sum()
+        return torch.autograd.grad(loss, [x])
+
+    compiled = check(fn, [torch.randn(16, 12), torch.randn(12, 24)], atol=1e-4)
+    assert kinds(compiled).count("concat") >= 1
+    assert "concat" in str(compiled) and "at column 8" in str(compiled)
+
+
+@pytest.mark.parametrize("fn", [lambda a, b: torch.cat([a, b], 0), lambda a, b: torch.cat([a, b.double()], -1)])
+def test_other_cats_stay_opaque_with_a_reason(fn):
+    compiled = check(fn, [torch.randn(3, 4), torch.randn(3, 4)])
+    assert kinds(compiled).count("opaque") == 1 and "concat" not in kinds(compiled)
+    assert any("cat has a tile lowering only along the last dim" in reason for _, reason in compiled.refused)

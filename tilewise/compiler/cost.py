@@ -62,8 +62,9 @@ def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
     off_chip = {name for op in kernel.body if op.op is Ops.LOAD
                 for name in [op.arg[0]] if not launch.on_chip(kernel.inputs[name], op.arg[1])}
     kept = {name for name, ref in kernel.outputs.items() if _kept_on_chip(launch, ref)}
+    # an output is written where its view says: all of it, or some columns (a part of a cat)
     hbm = sum(_nbytes(kernel.inputs[n].shape, kernel.inputs[n].dtype) for n in off_chip) + \
-        sum(_nbytes(r.shape, r.dtype) for n, r in kernel.outputs.items() if n not in kept)
+        sum(_nbytes(r.rows_cols, r.dtype) for n, r in kernel.outputs.items() if n not in kept)
     dma_bytes, flops, engine_time, tiles = 0, 0, {}, 0
     for op, elements, outer in _walk(kernel):
         if op.op is Ops.RANGE:

@@ -7,6 +7,8 @@ reference the fast executable is tested against, so it is written for clarity, n
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx.node import map_arg
 
@@ -140,14 +142,21 @@ def run_kernel(kernel: Kernel, env: dict, launch: Launch | None = None, sbuf: di
     hbm_in = {name: _source(kernel, name, ref, env, launch, sbuf) for name, ref in kernel.inputs.items()}
     hbm_out = {name: poisoned(ref.rows_cols, ref.dtype) for name, ref in kernel.outputs.items()}
     _TileRun(kernel, hbm_in, hbm_out).run()
+    written: dict = {}  # value -> its whole HBM buffer, poisoned where no store of the kernel reached
     for name, ref in kernel.outputs.items():
         if (ref.node, ref.rows_cols) in launch.resident:
             sbuf[(ref.node, ref.rows_cols)] = hbm_out[name]
             if ref.node not in launch.stored:
                 continue
-        out = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype)
-        out.copy_(hbm_out[name].reshape(ref.shape))
-        env[ref.node] = out
+        whole = written.setdefault(ref.node, poisoned(ref.shape, ref.dtype))
+        if math.prod(ref.rows_cols) == whole.numel():
+            whole.copy_(hbm_out[name].reshape(ref.shape))
+        else:  # a store into some columns of a wider tensor (a part of a cat)
+            cols = ref.rows_cols[-1]
+            whole.view(-1, ref.shape[-1])[:, ref.col_offset:ref.col_offset + cols] = hbm_out[name].reshape(-1, cols)
+    for node, whole in written.items():
+        ref = next(r for r in kernel.outputs.values() if r.node == node)
+        env[node] = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(whole)
 
 
 def _source(kernel: Kernel, name: str, ref: HbmRef, env: dict, launch: Launch, sbuf: dict) -> torch.Tensor:

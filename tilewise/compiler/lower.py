@@ -13,8 +13,8 @@ import torch
 
 from ..device.spec import DeviceSpec
 from ..errors import CompileError
-from .ops import (ARANGES, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, category,
-                  lowest, matmul_dims, shape, val)
+from .ops import (ARANGES, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, cat_parts,
+                  category, lowest, matmul_dims, shape, val)
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
@@ -304,7 +304,35 @@ def _batches(group: Group, nodes: dict) -> int:
     return matmul_dims(bmm[0]).batch if bmm else 0
 
 
+def concat_kernel(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:
+    """cat along the last dim: per part, a loop that loads its tiles and stores them at its
+    column offset of the output (a DMA-bound copy, no engine work)."""
+    node = nodes[group.nodes[0]]
+    meta, rows = val(node), group.domain[0]
+    inputs, outputs, body, offset = {}, {}, [], 0
+    for index, part in enumerate(cat_parts(node)):
+        cols = shape(part)[-1]
+        r, c = f"r{index}", f"c{index}"
+        axes = ((r, spec.partitions), (c, min(free, cols)))
+        source, target = f"{part.name}_hbm{index}", f"{node.name}_hbm{index}"
+        part_meta = val(part)
+        inputs[source] = HbmRef(part.name, tuple(part_meta.shape), tuple(part_meta.stride()), part_meta.dtype, (),
+                                (rows, cols))
+        outputs[target] = HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (), (rows, cols),
+                                 offset)
+        row_loop = TileOp(Ops.RANGE, None, arg=(r, rows, spec.partitions))
+        col_loop = TileOp(Ops.RANGE, None, arg=(c, cols, axes[1][1]))
+        tile = TileOp(Ops.LOAD, meta.dtype, (), (source, False), axes, "sbuf", f"{part.name}_sbuf")
+        body += [row_loop, col_loop, tile, TileOp(Ops.STORE, meta.dtype, (tile,), target),
+                 TileOp(Ops.END, None, srcs=(col_loop,)), TileOp(Ops.END, None, srcs=(row_loop,))]
+        offset += cols
+    return Kernel(name=group.name, kind="concat", nodes=group.nodes, inputs=inputs, outputs=outputs,
+                  body=tuple(body))
+
+
 def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:
+    if group.kind == "concat":
+        return concat_kernel(group, nodes, spec, free)
     kernel_in, kernel_out, body = {}, {}, []
     parts = group.parts or (group,)
     for index, part in enumerate(parts):

@@ -28,6 +28,7 @@ COLUMN_SUMS = frozenset({aten.sum.dim_IntList, prims.sum.default})
 # Indexing along the last dim with one index per row, which the tile IR runs as a one-hot mask
 # (`iota == index`): gather is a reduction of each row, scatter an element-wise select.
 GATHER = aten.gather.default
+CAT = aten.cat.default
 SCATTERS = frozenset({aten.scatter.value, aten.scatter.src})
 # Views that keep the row-major order of elements, so a tile of the input is a tile of the output.
 ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -120,7 +121,7 @@ def _tensor_out(node) -> bool:
 
 
 def category(node) -> str:
-    """source | output | glue | view | elementwise | reduction | matmul | opaque."""
+    """source | output | glue | view | elementwise | reduction | matmul | concat | opaque."""
     if node.op in ("placeholder", "get_attr"):
         return "source"
     if node.op == "output":
@@ -132,12 +133,16 @@ def category(node) -> str:
         return "glue"  # split/unbind: a list of views, host metadata (their readers load through strides)
     if not isinstance(target, torch._ops.OpOverload) or not _tensor_out(node):
         return "opaque"
+    if not numel(shape(node)):
+        return "glue"  # an empty result: nothing to compute, no kernel (host metadata, like a view)
     if target in MATMULS:
         return "matmul" if val(node).dtype in FLOATS else "opaque"
     if target in COLUMN_SUMS and is_column_sum(node):
         return "matmul"
     if target is GATHER or target in SCATTERS:
         return ("reduction" if target is GATHER else "elementwise") if one_index_per_row(node) else "opaque"
+    if target is CAT:
+        return "concat" if cat_parts(node) is not None else "opaque"
     if target in REDUCTIONS or target in PRIM_REDUCTIONS:
         return "reduction"
     if _is_view(target):
@@ -151,6 +156,8 @@ def opaque_reason(node) -> Reason:
     if node.target is GATHER or node.target in SCATTERS:
         return Reason("opaque", f"{node.target} has a tile lowering only along the last dim with one index "
                                 "per row (index shaped [..., 1], src shaped like the index)")
+    if node.target is CAT:
+        return Reason("opaque", "cat has a tile lowering only along the last dim, of parts of one dtype")
     return Reason("opaque", f"no tile lowering for {node.target}")
 
 
@@ -196,6 +203,19 @@ def one_index_per_row(node) -> bool:
     if shape(index) != dims[:-1] + (1,):
         return False
     return node.target is not aten.scatter.src or shape(node.args[3]) == shape(index)
+
+
+def cat_parts(node) -> list | None:
+    """The parts of a cat along the last dim, each of the output's dtype and leading shape (empty
+    parts left out), whose tiles are copied side by side; None for any other cat."""
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = shape(node)
+    if not out or not isinstance(dim, int) or dim % len(out) != len(out) - 1:
+        return None
+    if any(val(p).dtype != val(node).dtype or shape(p)[:-1] != out[:-1] for p in parts if numel(shape(p))):
+        return None
+    return [p for p in parts if numel(shape(p))]
 
 
 def lowest(dtype: torch.dtype):

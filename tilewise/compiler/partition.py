@@ -265,6 +265,9 @@ def partition(region: Region) -> Region:
             state.new(node, "opaque")
         elif cat == "glue":
             state.new(node, "glue")
+        elif cat == "concat":  # a copy kernel of its own: parts loaded, stored side by side
+            out = shape(node)
+            state.new(node, "concat", (numel(out) // max(out[-1], 1), out[-1]))
         else:
             _place(state, node, cat)
     _inline_broadcast_producers(state)

@@ -82,7 +82,8 @@ def format_body(body: tuple[TileOp, ...], indent: int = 2) -> list[str]:
 def _ref_text(ref) -> str:
     shape = list(ref.shape)
     view = f" as [{', '.join(str(size) for size in ref.rows_cols)}]"
-    return f"{ref.node} {dtype_str(ref.dtype)}{shape}{view}"
+    at = f" at column {ref.col_offset}" if ref.col_offset else ""
+    return f"{ref.node} {dtype_str(ref.dtype)}{shape}{view}{at}"
 
 
 def format_kernel(kernel: Kernel) -> str:

@@ -73,6 +73,7 @@ class HbmRef:
     dtype: torch.dtype
     view: tuple[int, ...] = ()    # broadcast target shape before flattening ( () = own shape )
     rows_cols: tuple[int, ...] = (1, 1)  # the 2-D view the tile axes index; (batch, rows, cols) when batched
+    col_offset: int = 0           # a store into columns [col_offset, col_offset + cols) of a wider tensor
 
     def sbuf_bytes_per_partition(self, partitions: int) -> int:
         """SBUF the whole value takes per partition when held on chip: rows (of every batch)
