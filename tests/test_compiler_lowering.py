@@ -298,3 +298,8 @@ def test_other_cats_stay_opaque_with_a_reason(fn):
     compiled = check(fn, [torch.randn(3, 4), torch.randn(3, 4)])
     assert kinds(compiled).count("opaque") == 1 and "concat" not in kinds(compiled)
     assert any("cat has a tile lowering only along the last dim" in reason for _, reason in compiled.refused)
+
+
+def test_cat_of_transposed_and_strided_parts():
+    compiled = check(lambda a, b: torch.cat([a.t(), b[:, ::2]], -1).exp(), [torch.randn(7, 130), torch.randn(130, 10)])
+    assert kinds(compiled) == ["concat", "elementwise"] and len(compiled.launches) == 1
