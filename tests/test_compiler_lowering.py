@@ -303,3 +303,48 @@ def test_other_cats_stay_opaque_with_a_reason(fn):
 def test_cat_of_transposed_and_strided_parts():
     compiled = check(lambda a, b: torch.cat([a.t(), b[:, ::2]], -1).exp(), [torch.randn(7, 130), torch.randn(130, 10)])
     assert kinds(compiled) == ["concat", "elementwise"] and len(compiled.launches) == 1
+
+
+# -- row lookups and row accumulation: indirect DMA loads and accumulating stores --------------------
+
+def test_embedding_lookups_are_indirect_loads_in_one_launch():
+    fn = lambda w, p, idx, pos: F.embedding(idx, w) + F.embedding(pos, p)
+    compiled = check(fn, [torch.randn(64, 32), torch.randn(16, 32), torch.randint(0, 64, (4, 16)), torch.arange(16)])
+    assert "opaque" not in kinds(compiled) and len(compiled.launches) == 1
+    assert "embedding_1_sbuf = load arg1_1_hbm[arg3_1_sbuf, c]" in str(compiled)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding_backward_accumulates_rows_with_repeated_indices(padding_idx):
+    def fn(w, idx, g):
+        w = w.detach().requires_grad_()
+        return torch.autograd.grad(F.embedding(idx, w, padding_idx=padding_idx), [w], [g])
+
+    idx = torch.tensor([[0, 3, 3, 129], [3, 0, 200, 3]])  # repeats, and rows past one partition tile
+    compiled = check(fn, [torch.randn(201, 130), idx, torch.randn(2, 4, 130)])
+    assert "scatter_add" in kinds(compiled) and "opaque" not in kinds(compiled)
+    assert len(compiled.launches) == 1
+
+
+def test_index_put_accumulate_counts_negative_indices_from_the_end():
+    fn = lambda s, i, v: torch.ops.aten.index_put(s, [i], v, True)
+    compiled = check(fn, [torch.randn(10, 3), torch.tensor([[-1, 2], [2, -10]]), torch.randn(2, 2, 3)])
+    assert kinds(compiled) == ["scatter_add"]
+    check(fn, [torch.randn(10), torch.tensor([9, 9, -3]), torch.randn(3)])
+
+
+def test_out_of_range_rows_still_raise_on_the_host():
+    for fn, inputs in [(lambda w, i: F.embedding(i, w), [torch.randn(5, 3), torch.tensor([1, 5])]),
+                       (lambda s, i, v: torch.ops.aten.index_put(s, [i], v, True),
+                        [torch.randn(5, 3), torch.tensor([1, 7]), torch.randn(2, 3)])]:
+        ok = [torch.randn(5, 3), torch.tensor([1, 2])] + inputs[2:]
+        compiled = compile_graph(make_fx(fn)(*ok), ok, spec=TRN2)
+        assert "opaque" not in kinds(compiled)
+        with pytest.raises((IndexError, RuntimeError)):
+            compiled.run(*inputs)
+
+
+def test_index_put_without_accumulate_stays_opaque():
+    fn = lambda s, i, v: torch.ops.aten.index_put(s, [i], v, False)
+    compiled = check(fn, [torch.randn(10, 3), torch.tensor([1, 2]), torch.randn(2, 3)])
+    assert kinds(compiled) == ["opaque"]

@@ -97,11 +97,16 @@ class _TileRun:
         if kind is Ops.LOAD:
             name, transpose = op.arg
             axes = op.shape[1::-1] if transpose else op.shape
-            tile = self.slab(self.hbm_in[name], op)[self.span(axes[0]), self.span(axes[1])]
+            rows = self.valid(op.srcs[0]).reshape(-1) if op.srcs else self.span(axes[0])  # indirect: by index
+            tile = self.slab(self.hbm_in[name], op)[rows, self.span(axes[1])]
             self.write(op, tile.T if transpose else tile)
         elif kind is Ops.STORE:
             src = op.srcs[0]
-            self.slab(self.hbm_out[op.arg], src)[self.span(src.shape[0]), self.span(src.shape[1])] = self.valid(src)
+            target = self.slab(self.hbm_out[op.arg], src)
+            if len(op.srcs) == 2:  # indirect accumulate: duplicates add up, as atomic adds do
+                target[:, self.span(src.shape[1])].index_add_(0, self.valid(op.srcs[1]).reshape(-1), self.valid(src))
+            else:
+                target[self.span(src.shape[0]), self.span(src.shape[1])] = self.valid(src)
         elif kind in (Ops.ALU, Ops.REDUCE):
             target, args, kwargs = op.arg
             tiles = [self.valid(s) for s in op.srcs]

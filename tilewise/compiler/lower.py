@@ -13,8 +13,8 @@ import torch
 
 from ..device.spec import DeviceSpec
 from ..errors import CompileError
-from .ops import (ARANGES, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, cat_parts,
-                  category, lowest, matmul_dims, shape, val)
+from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, cat_parts,
+                  category, lowest, matmul_dims, numel, shape, val)
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
@@ -114,6 +114,8 @@ class _Loop:
             return self.constant(node, self.axes(node))
         if node.target in ARANGES:
             return self.lower_arange(node)
+        if node.target is EMBEDDING:
+            return self.lower_embedding(node)
         srcs, template = self.operands(node)
         op = Ops.REDUCE if cat == "reduction" else Ops.ALU
         target, args, kwargs = reduce_call(node, template) if cat == "reduction" else \
@@ -240,6 +242,15 @@ class _Loop:
                                         f"{node.name}_sbuf"))
         return tile
 
+    def lower_embedding(self, node) -> TileOp:
+        """weight[indices]: each partition's row read by an indirect DMA from the row its index
+        names (the index loaded first, one per partition)."""
+        weight, indices = node.args[:2]
+        index = self.env.get(indices.name) or self.load_as(indices, (), True)
+        name = self.hbm_in(weight, (), tuple(shape(weight)))
+        return self.emit(TileOp(Ops.LOAD, val(weight).dtype, (index,), (name, False), self.full_axes, "sbuf",
+                                f"{node.name}_sbuf"))
+
     def lower_gather(self, node) -> TileOp:
         """x[p, index[p]] as a reduction of the row: every other element is masked to the dtype's
         lowest value and amax keeps the indexed one exactly (-0.0 and NaN included)."""
@@ -330,9 +341,46 @@ def concat_kernel(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Ker
                   body=tuple(body))
 
 
+def scatter_add_kernel(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:
+    """index_put(self, [index], values, accumulate=True): self copied to the output, then each
+    partition's row of values added into the output row its index names by an indirect
+    accumulating DMA (atomic read-modify-write in HBM, so repeated indices add up). A negative
+    index counts from the end, as in PyTorch."""
+    node = nodes[group.nodes[0]]
+    self_, (index,), values = node.args[0], node.args[1], node.args[2]
+    meta, (rows, cols) = val(node), group.domain
+    count = numel(shape(index))
+    refs = {f"{self_.name}_hbm": (self_, (rows, cols)), f"{index.name}_hbm": (index, (count, 1)),
+            f"{values.name}_hbm": (values, (count, cols))}
+    inputs = {name: HbmRef(v.name, tuple(val(v).shape), tuple(val(v).stride()), val(v).dtype, (), layout)
+              for name, (v, layout) in refs.items()}
+    target = f"{node.name}_hbm"
+    outputs = {target: HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (), (rows, cols))}
+    step = min(free, cols)
+    copy_rows, copy_cols = TileOp(Ops.RANGE, None, arg=("r0", rows, spec.partitions)), \
+        TileOp(Ops.RANGE, None, arg=("c0", cols, step))
+    base = TileOp(Ops.LOAD, meta.dtype, (), (f"{self_.name}_hbm", False), (("r0", spec.partitions), ("c0", step)),
+                  "sbuf", f"{self_.name}_sbuf")
+    add_rows, add_cols = TileOp(Ops.RANGE, None, arg=("r1", count, spec.partitions)), \
+        TileOp(Ops.RANGE, None, arg=("c1", cols, step))
+    where = TileOp(Ops.LOAD, val(index).dtype, (), (f"{index.name}_hbm", False), (("r1", spec.partitions), (None, 1)),
+                   "sbuf", f"{index.name}_sbuf")
+    wrapped = TileOp(Ops.ALU, where.dtype, (where,), (aten.remainder.Scalar, (("$", 0), rows), {}), where.shape,
+                     "sbuf", f"{index.name}_rows_sbuf")
+    rows_in = TileOp(Ops.LOAD, meta.dtype, (), (f"{values.name}_hbm", False), (("r1", spec.partitions), ("c1", step)),
+                     "sbuf", f"{values.name}_sbuf")
+    body = (copy_rows, copy_cols, base, TileOp(Ops.STORE, meta.dtype, (base,), target),
+            TileOp(Ops.END, None, srcs=(copy_cols,)), TileOp(Ops.END, None, srcs=(copy_rows,)),
+            add_rows, add_cols, where, wrapped, rows_in, TileOp(Ops.STORE, meta.dtype, (rows_in, wrapped), target),
+            TileOp(Ops.END, None, srcs=(add_cols,)), TileOp(Ops.END, None, srcs=(add_rows,)))
+    return Kernel(name=group.name, kind="scatter_add", nodes=group.nodes, inputs=inputs, outputs=outputs, body=body)
+
+
 def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:
     if group.kind == "concat":
         return concat_kernel(group, nodes, spec, free)
+    if group.kind == "scatter_add":
+        return scatter_add_kernel(group, nodes, spec, free)
     kernel_in, kernel_out, body = {}, {}, []
     parts = group.parts or (group,)
     for index, part in enumerate(parts):

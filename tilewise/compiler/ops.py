@@ -29,6 +29,10 @@ COLUMN_SUMS = frozenset({aten.sum.dim_IntList, prims.sum.default})
 # (`iota == index`): gather is a reduction of each row, scatter an element-wise select.
 GATHER = aten.gather.default
 CAT = aten.cat.default
+# A lookup of whole rows: an indirect DMA load, partition p reading the row its index names.
+EMBEDDING = aten.embedding.default
+# Rows added into the rows an index names (embedding's backward): indirect accumulating stores.
+INDEX_PUT = aten.index_put.default
 SCATTERS = frozenset({aten.scatter.value, aten.scatter.src})
 # Views that keep the row-major order of elements, so a tile of the input is a tile of the output.
 ORDER_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -121,7 +125,7 @@ def _tensor_out(node) -> bool:
 
 
 def category(node) -> str:
-    """source | output | glue | view | elementwise | reduction | matmul | concat | opaque."""
+    """source | output | glue | view | elementwise | reduction | matmul | concat | scatter_add | opaque."""
     if node.op in ("placeholder", "get_attr"):
         return "source"
     if node.op == "output":
@@ -143,6 +147,10 @@ def category(node) -> str:
         return ("reduction" if target is GATHER else "elementwise") if one_index_per_row(node) else "opaque"
     if target is CAT:
         return "concat" if cat_parts(node) is not None else "opaque"
+    if target is EMBEDDING:
+        return "elementwise" if _row_lookup(node) else "opaque"
+    if target is INDEX_PUT:
+        return "scatter_add" if row_accumulate(node) else "opaque"
     if target in REDUCTIONS or target in PRIM_REDUCTIONS:
         return "reduction"
     if _is_view(target):
@@ -158,6 +166,8 @@ def opaque_reason(node) -> Reason:
                                 "per row (index shaped [..., 1], src shaped like the index)")
     if node.target is CAT:
         return Reason("opaque", "cat has a tile lowering only along the last dim, of parts of one dtype")
+    if node.target is INDEX_PUT:
+        return Reason("opaque", "index_put has a tile lowering only accumulating whole rows by one index")
     return Reason("opaque", f"no tile lowering for {node.target}")
 
 
@@ -203,6 +213,24 @@ def one_index_per_row(node) -> bool:
     if shape(index) != dims[:-1] + (1,):
         return False
     return node.target is not aten.scatter.src or shape(node.args[3]) == shape(index)
+
+
+def _row_lookup(node) -> bool:
+    weight, indices = node.args[:2]
+    return len(shape(weight)) == 2 and not val(indices).dtype.is_floating_point and val(indices).dtype != torch.bool
+
+
+def row_accumulate(node) -> bool:
+    """index_put(self, [index], values, accumulate=True) adding whole rows: one integer index (any
+    shape) of the first dim, values shaped index.shape + self.shape[1:] in self's dtype."""
+    if len(node.args) < 4 or node.args[3] is not True or len(node.args[1]) != 1:
+        return False
+    self_, (index,), values = node.args[0], node.args[1], node.args[2]
+    if index is None or val(index).dtype.is_floating_point or val(index).dtype == torch.bool:
+        return False
+    dims = shape(self_)
+    return len(dims) >= 1 and val(values).dtype == val(node).dtype != torch.bool \
+        and shape(values) == shape(index) + dims[1:]
 
 
 def cat_parts(node) -> list | None:

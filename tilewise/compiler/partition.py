@@ -12,11 +12,12 @@ import torch
 
 from ..errors import CompileError
 from .order import contiguous_order
-from .ops import (ARANGES, BROADCAST_IN_DIM, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
+from .ops import (ARANGES, BROADCAST_IN_DIM, EMBEDDING, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
                   opaque_reason, reduced_dims, shape, strip, tensor_inputs)
 from .region import Group, Region
 
 FUSABLE = ("elementwise", "reduction", "matmul")
+NOT_INLINED = frozenset({*SCATTERS, *ARANGES, EMBEDDING})
 
 
 class _G:
@@ -265,9 +266,10 @@ def partition(region: Region) -> Region:
             state.new(node, "opaque")
         elif cat == "glue":
             state.new(node, "glue")
-        elif cat == "concat":  # a copy kernel of its own: parts loaded, stored side by side
+        elif cat in ("concat", "scatter_add"):  # copy kernels of their own (parts side by side; rows added)
             out = shape(node)
-            state.new(node, "concat", (numel(out) // max(out[-1], 1), out[-1]))
+            rows = out[0] if cat == "scatter_add" else numel(out) // max(out[-1], 1)
+            state.new(node, cat, (rows, numel(out) // max(rows, 1)))
         else:
             _place(state, node, cat)
     _inline_broadcast_producers(state)
@@ -289,8 +291,9 @@ def _inline_broadcast_producers(state: _Groups) -> None:
     for producer in list(state.groups.values()):
         if producer.kind != "elementwise" or producer.id not in state.groups:
             continue
-        if any(category(n) != "elementwise" or n.target in SCATTERS or n.target in ARANGES for n in producer.nodes):
-            continue  # a scatter's index must stay a row; a range follows the free axis of its own tile
+        if any(category(n) != "elementwise" or n.target in NOT_INLINED for n in producer.nodes):
+            continue  # they follow the tile they were lowered for: a scatter's index and a lookup's
+            # rows are row tiles, a range runs along its own free axis
         users = {u for n in producer.nodes for u in n.users if u.name not in producer.names}
         owners = {state.owner.get(u.name) for u in users}
         if len(owners) != 1 or None in owners:

@@ -39,9 +39,15 @@ def format_op(op: TileOp) -> str:
         return f"for {var} in range(0, {extent}, {step}):"
     if op.op is Ops.LOAD:
         hbm, transpose = op.arg
-        src = f"{hbm}[{_index(op, transpose)}]" + (".T" if transpose else "")
+        index = _index(op, transpose)
+        if op.srcs:  # indirect: the rows an index tile names
+            index = ", ".join([op.srcs[0].name] + index.split(", ")[1:])
+        src = f"{hbm}[{index}]" + (".T" if transpose else "")
         return f"{op.name} = load {src}"
     if op.op is Ops.STORE:
+        if len(op.srcs) == 2:  # indirect accumulate
+            rest = _index(op.srcs[0]).split(", ")[1:]
+            return f"store {op.arg}[{', '.join([op.srcs[1].name] + rest)}] += {op.srcs[0].name}"
         return f"store {op.arg}[{_index(op.srcs[0])}] <- {op.srcs[0].name}"
     if op.op is Ops.FILL:
         return f"{op.name} = fill({op.arg!r})"

@@ -20,8 +20,10 @@ import torch
 class Ops(enum.Enum):
     RANGE = "range"          # open a loop: arg = (var, extent, step)
     END = "end"              # close the loop opened by srcs[0]
-    LOAD = "load"            # DMA HBM -> SBUF: arg = (hbm_name, transpose); tile axes index the HBM view
-    STORE = "store"          # DMA SBUF -> HBM: srcs = (value,), arg = hbm_name
+    LOAD = "load"            # DMA HBM -> SBUF: arg = (hbm_name, transpose); tile axes index the HBM view;
+                             # with srcs = (index_tile,) an indirect DMA: partition p reads row index[p]
+    STORE = "store"          # DMA SBUF -> HBM: srcs = (value,), arg = hbm_name; with srcs = (value,
+                             # index_tile) an indirect accumulate: row p added into row index[p] (atomic)
     ALU = "alu"              # element-wise engine op: arg = (aten op, args template with ("$", i) refs)
     REDUCE = "reduce"        # reduction along the free axis into a [p, 1] tile: arg as ALU
     BROADCAST = "broadcast"  # widen a [p, 1] tile along the free axis to [p, f]
