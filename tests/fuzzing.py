@@ -427,13 +427,13 @@ def op_cat(b, out, a):
 
 def op_index(b, out, a):
     """Indexing by in-range indices computed from the data: gather/scatter along the last dim, a
-    cross entropy, an integer range, and a batched matmul."""
+    cross entropy, an embedding, an integer range, and a batched matmul."""
     t = b.tensor(a)
     if t.dim() == 0 or t.shape[-1] == 0 or not t.is_floating_point():
         return None
     n = t.shape[-1]
     index = f"({a}.detach().abs() * 7).long().remainder({n})[..., :1]"
-    form = b.draw(st.sampled_from(["gather", "scatter", "cross_entropy", "arange", "bmm"]))
+    form = b.draw(st.sampled_from(["gather", "scatter", "cross_entropy", "arange", "bmm", "embedding"]))
     if form == "gather":
         return f"{out} = torch.gather({a}, -1, {index})"
     if form == "scatter":
@@ -442,6 +442,8 @@ def op_index(b, out, a):
         return f"{out} = F.cross_entropy({a}, {index}.squeeze(-1))" if t.dim() == 2 else None
     if form == "arange":
         return f"{out} = {a} * (torch.arange({n}, device={a}.device) % 3)"
+    if form == "embedding":  # rows looked up (and, backward, accumulated) by repeated indices
+        return f"{out} = F.embedding({index}.reshape(-1) % {t.shape[0]}, {a})" if t.dim() == 2 and t.shape[0] else None
     if t.dim() != 3:
         return None
     w = b.fresh((t.shape[0], n, b.draw(st.sampled_from(SIZES))), _dtype_name(t.dtype))
