@@ -78,6 +78,25 @@ def test_a_training_step_takes_clearly_less_simulated_time_adaptive_than_eager(n
     assert launches < eager_launches / 4, (launches, eager_launches)
 
 
+def test_factories_made_every_step_join_the_compiled_region():
+    def step(x):
+        causal = torch.ones(8, 8, device=x.device, dtype=torch.bool).tril()
+        return x.masked_fill(~causal, 0.0) + torch.arange(8, device=x.device) + torch.full((8,), 0.5, device=x.device)
+
+    xs = [torch.randn(8, 8) for _ in range(6)]
+    timeline, results = tilewise.DEVICE.timeline, []
+    with tilewise.engine(mode="adaptive"):
+        for x in xs:
+            before = timeline.kernels
+            results.append(step(x.to("neuron")).cpu())
+    for got, x in zip(results, xs):
+        torch.testing.assert_close(got, step(x), rtol=0, atol=0)
+    stats = tilewise.stats()
+    assert stats.cache_hits >= 2 and not stats.fallbacks, stats.report()
+    last_step = [k.name for k in list(timeline.events)[before - timeline.kernels:]]
+    assert last_step and not {"ones", "arange", "full", "fill_", "tril"} & set(last_step), last_step
+
+
 def test_region_compiles_exactly_at_threshold():
     x = torch.randn(64, 64).to("neuron")
     tilewise.stats().reset()

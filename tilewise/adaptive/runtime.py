@@ -68,7 +68,12 @@ class Runtime:
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
-        """Factories and uploads: they write a fresh buffer from host data, so they run now."""
+        """Ops that make a device tensor from no device tensor. Uploads write a fresh buffer from
+        host data, so they run now; a factory that reads no tensor at all (ones, arange, full: a
+        causal mask or the positions made every step) is recorded like any op, so it can join a
+        compiled region (random factories still draw at once, in eager's order)."""
+        if not any(isinstance(a, torch.Tensor) for a in _flat(args)):
+            return self.dispatch(func, args, kwargs)
         self.stats.ops_seen += 1
         self.stats.transfers += 1
         return run(func, args, kwargs)
@@ -429,6 +434,14 @@ def _host_device(kwargs) -> str | None:
     if device is not None and torch.device(device).type == "cpu":
         return "copy to host"
     return None
+
+
+def _flat(values):
+    for value in values:
+        if type(value) is list or type(value) is tuple:
+            yield from _flat(value)
+        else:
+            yield value
 
 
 def _device_tensors(values):

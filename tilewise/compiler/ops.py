@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..eager.plan import NO_KERNEL
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -137,8 +139,8 @@ def category(node) -> str:
         return "glue"  # split/unbind: a list of views, host metadata (their readers load through strides)
     if not isinstance(target, torch._ops.OpOverload) or not _tensor_out(node):
         return "opaque"
-    if not numel(shape(node)):
-        return "glue"  # an empty result: nothing to compute, no kernel (host metadata, like a view)
+    if not numel(shape(node)) or target._overloadpacket.__name__ in NO_KERNEL:
+        return "glue"  # nothing to compute (an empty result, a bare allocation): host metadata, no kernel
     if target in MATMULS:
         return "matmul" if val(node).dtype in FLOATS else "opaque"
     if target in COLUMN_SUMS and is_column_sum(node):
