@@ -58,7 +58,7 @@ def test_column_sum_of_bf16_accumulates_in_fp32_and_casts_back():
 def test_integer_and_non_leading_sums_stay_off_the_tensor_engine():
     compiled = check(lambda x: x.sum(0), [torch.randint(0, 9, (16, 10))])
     assert "matmul" not in kinds(compiled)
-    compiled = check(lambda x: x.sum([0, 2]), [torch.randn(4, 5, 6)])
+    compiled = check(lambda x: x.sum(1), [torch.randn(4, 5, 6)])  # a middle dim: neither rows nor columns
     assert "matmul" not in kinds(compiled)
 
 
@@ -348,3 +348,35 @@ def test_index_put_without_accumulate_stays_opaque():
     fn = lambda s, i, v: torch.ops.aten.index_put(s, [i], v, False)
     compiled = check(fn, [torch.randn(10, 3), torch.tensor([1, 2]), torch.randn(2, 3)])
     assert kinds(compiled) == ["opaque"]
+
+
+# -- sums over several dims: trailing dims as one row reduction, leading dims on the TensorEngine ----
+
+@pytest.mark.parametrize("fn,shape,dtype", [
+    (lambda x: x.sum(), (5, 7), torch.float32),
+    (lambda x: x.mean(), (300, 129), torch.float32),      # rows over several partition tiles
+    (lambda x: x.sum(), (64, 33), torch.bfloat16),        # accumulates in float32, rounds once
+    (lambda x: x.sum(dim=[0, 2]), (4, 8, 3), torch.float32),
+    (lambda x: x.mean(dim=(-1, -2), keepdim=True), (3, 4, 5), torch.float32),
+    (lambda x: x.sum(dim=(0, 2), keepdim=True), (3, 4, 5), torch.float32),
+    (lambda x: x.t().sum(), (6, 5), torch.float32),
+])
+def test_sums_over_several_dims_have_no_opaque_kernel(fn, shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    compiled = check(fn, [x], atol=1e-3 if dtype == torch.float32 else 5e-2, rtol=1e-3)
+    assert "opaque" not in kinds(compiled) and len(compiled.launches) == 1
+
+
+def test_mse_loss_forward_and_backward_compile_whole():
+    def fn(x, y):
+        x = x.detach().requires_grad_()
+        loss = F.mse_loss(x, y)
+        return (loss, *torch.autograd.grad(loss, [x]))
+
+    compiled = check(fn, [torch.randn(64, 10), torch.randn(64, 10)], atol=1e-5)
+    assert "opaque" not in kinds(compiled) and len(compiled.launches) == 1
+
+
+def test_reductions_of_empty_rows_stay_on_the_host():
+    for fn, shape in [(lambda x: x.sum(), (2, 0, 3)), (lambda x: x.sum(-1), (3, 0))]:
+        assert kinds(check(fn, [torch.randn(shape)])) == ["opaque"]

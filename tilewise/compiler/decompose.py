@@ -32,7 +32,49 @@ _FUSE_THROUGH = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_sof
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
+    table.update({aten.sum.dim_IntList: _sum_last_dim_first, aten.mean.default: _mean_as_sum,
+                  aten.mean.dim: _mean_as_sum})
     return table
+
+
+def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
+    """A float sum over several dims including the last: the trailing reduced dims first, merged
+    into one row reduction on the Vector engine, then the rest (across partitions: a column sum on
+    the TensorEngine when they are the leading dims), accumulating in float32 for 16-bit inputs as
+    PyTorch does. NotImplemented (the op as it is) for every other sum."""
+    ndim = x.dim()
+    reduced = sorted({d % ndim for d in dims} if dims else range(ndim)) if ndim else []
+    if len(reduced) < 2 or reduced[-1] != ndim - 1 or not x.is_floating_point() or not x.numel():
+        return NotImplemented
+    first = ndim - 1
+    while first - 1 in reduced and first > 1:
+        first -= 1  # reduced[first:] is the trailing block; dim 0 stays rows, spread over partitions
+    out_dtype = dtype or x.dtype
+    acc = torch.float32 if out_dtype in (torch.bfloat16, torch.float16) else out_dtype
+    rows = aten.reshape.default(x, list(x.shape[:first]) + [-1]) if first < ndim - 1 else x
+    rows = aten.sum.dim_IntList(rows, [first], True, dtype=acc)
+    rest = [d for d in reduced if d < first]
+    total = aten.sum.dim_IntList(rows, rest, True) if rest else rows
+    shape = [1 if d in reduced else size for d, size in enumerate(x.shape)] if keepdim else \
+        [size for d, size in enumerate(x.shape) if d not in reduced]
+    total = aten.reshape.default(total, shape)
+    return total if total.dtype == out_dtype else aten._to_copy.default(total, dtype=out_dtype)
+
+
+def _mean_as_sum(x, dims=None, keepdim=False, dtype=None):
+    """mean = sum / count, so a mean over several dims splits like the sum (see above)."""
+    if not x.is_floating_point() and dtype is None:
+        return NotImplemented
+    reduced = sorted({d % x.dim() for d in dims} if dims else range(x.dim())) if x.dim() else []
+    if len(reduced) < 2:
+        return NotImplemented
+    count = 1
+    for d in reduced:
+        count *= x.shape[d]
+    total = _sum_last_dim_first(x, reduced, keepdim, dtype=dtype)
+    if total is NotImplemented:
+        return NotImplemented
+    return aten.div.Tensor(total, count)
 
 
 # Per-tensor ops whose scalar operand is keyword-only, while the _foreach_ form passes it positionally.

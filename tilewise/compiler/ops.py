@@ -154,7 +154,8 @@ def category(node) -> str:
     if target is INDEX_PUT:
         return "scatter_add" if row_accumulate(node) else "opaque"
     if target in REDUCTIONS or target in PRIM_REDUCTIONS:
-        return "reduction"
+        # rows of nothing have no tile to reduce; the host fills in the identity
+        return "reduction" if numel(shape(node.args[0])) else "opaque"
     if _is_view(target):
         return "view"
     if _is_elementwise(node):
