@@ -43,7 +43,7 @@ def main():
 
     torch.manual_seed(0)
     model = SequenceClassifier().to("neuron")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)  # step count on the device
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     lengths = torch.randint(4, 33, (steps,)).tolist()
 
     with tilewise.engine():

@@ -81,10 +81,7 @@ def main():
     chars = sorted(set(TEXT))
     ids = torch.tensor([chars.index(c) for c in TEXT])
     model = GPT(vocab=len(chars)).to("neuron")
-    # capturable=True keeps the step count on the device: the bias corrections are then computed
-    # there, not passed in as Python floats that change every step (new constants the engine
-    # would have to recompile for, or keep eager).
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     with tilewise.engine():
         for step, (x, y) in enumerate(batches(ids, steps), 1):

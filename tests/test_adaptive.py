@@ -261,6 +261,29 @@ def test_changing_float_constants_replay_the_plan_without_reanalysis():
     assert any(reason.startswith("dynamic") for (_, reason) in stats.fallbacks)
 
 
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_adam_bias_corrections_are_region_inputs_so_the_whole_step_compiles(mode):
+    """Adam(W) without capturable passes per-step floats to _foreach_div_/_foreach_addcdiv_; the
+    engine records them as tensors, so nothing recompiles and no optimizer op stays eager."""
+    reference = WORKLOADS["gpt"]("cpu", None, steps=8)
+    result, stats = run("gpt", mode, steps=8)
+    assert_same(reference, result, PARAM_ATOL["gpt"])
+    assert stats.recompiles == 0 and stats.cache_hits >= 4, stats.report()
+    assert not [op for (op, _) in stats.fallbacks if op.startswith("_foreach")], stats.report()
+
+
+def test_integer_scalar_lists_keep_their_integer_arithmetic():
+    xs = [torch.arange(6).reshape(2, 3) for _ in range(2)]
+    with tilewise.engine(mode="adaptive", threshold=1):
+        for step in range(3):
+            got = torch._foreach_mul([x.to("neuron") for x in xs], [2, 3])
+            halves = torch._foreach_mul([x.to("neuron").float() for x in xs], [0.5, 1.5 + step])
+            for g, x, k in zip(got, xs, (2, 3)):
+                assert g.dtype == torch.int64 and torch.equal(g.cpu(), x * k)
+            for h, x, k in zip(halves, xs, (0.5, 1.5 + step)):
+                torch.testing.assert_close(h.cpu(), x.float() * k, rtol=0, atol=0)
+
+
 def test_torch_save_inside_the_engine_saves_computed_values():
     import io
     x = torch.randn(4).to("neuron")

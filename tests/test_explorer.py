@@ -39,7 +39,9 @@ def test_recorded_run_has_optimizer_regions_and_dynamic_fallbacks(seq_run):
     assert data["stats"]["compiles"] >= 1 and data["settings"]["mode"] == "adaptive"
     optimizer = _optimizer_regions(data)
     assert optimizer, [r["op_names"] for r in summary.region_rows(data)]
-    assert all(r["kernels"] > 0 and r["hits"] > 0 for r in optimizer)
+    # every optimizer region launches kernels; the step's hits them (the one the exit flush compiles
+    # around the last step's optimizer ops alone is never seen again)
+    assert all(r["kernels"] > 0 for r in optimizer) and any(r["hits"] > 0 for r in optimizer)
     assert any(f["reason"] == DYNAMIC for f in data["stats"]["fallbacks"])
     groups, _ = summary.segment_groups(data)
     folded = [g for g in groups if len(g["segments"]) > 1]

@@ -79,6 +79,9 @@ class Runtime:
         return run(func, args, kwargs)
 
     def dispatch(self, func, args, kwargs):
+        lift = _LIFTED.get(func)
+        if lift is not None:
+            func, args = _lift_scalars(func, lift, args)
         with self.lock:
             self.stats.ops_seen += 1
             info = self._op_info.get(func)
@@ -434,6 +437,37 @@ def _host_device(kwargs) -> str | None:
     if device is not None and torch.device(device).type == "cpu":
         return "copy to host"
     return None
+
+
+def _lifted_overloads() -> dict:
+    """ScalarList overload -> (the overload taking the same numbers as tensors, their form)."""
+    table = {}
+    for name, form in (("add", "zero-dim"), ("sub", "zero-dim"), ("mul", "zero-dim"), ("div", "zero-dim"),
+                       ("addcdiv", "vector"), ("addcmul", "vector")):
+        for packet in (getattr(aten, f"_foreach_{name}_"), getattr(aten, f"_foreach_{name}")):
+            table[packet.ScalarList] = (packet.List if form == "zero-dim" else packet.Tensor, form)
+    return table
+
+
+# Optimizer ops whose list of Python floats changes every step (Adam's bias corrections): each has
+# an overload taking the same numbers as CPU tensors, which PyTorch computes identically. Recorded
+# that way the numbers are inputs of a compiled region, not constants baked into it, so the step
+# compiles once instead of staying eager (adaptive mode) or recompiling (compiled mode).
+_LIFTED = _lifted_overloads()
+
+
+def _lift_scalars(func, lift, args):
+    scalars = args[-1]
+    if type(scalars) not in (list, tuple) or not all(type(v) is float for v in scalars) \
+            or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[0]):
+        return func, args  # ints keep their integer arithmetic; leave those as they are
+    overload, form = lift
+    if form == "zero-dim":
+        lifted = [torch.tensor(v, dtype=torch.float64) for v in scalars]
+    else:
+        lifted = torch.tensor(scalars, dtype=torch.float64)
+        lifted.tilewise_scalars = True  # a host vector the segment may take as a region input
+    return overload, (*args[:-1], lifted)
 
 
 def _flat(values):

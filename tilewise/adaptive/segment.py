@@ -133,13 +133,14 @@ class Segment:
             descr.append(tuple(inner))
             return host
         if isinstance(arg, torch.Tensor):
-            if arg.dim() != 0 or arg.device.type != "cpu":
+            scalars = getattr(arg, "tilewise_scalars", False)  # numbers the runtime lifted (runtime._LIFTED)
+            if arg.device.type != "cpu" or arg.dim() != 0 and not scalars:
                 raise Unrecordable("host tensor argument")
             # A CPU scalar is read at flush time: keep a private copy of today's value. It is an
             # input of any region compiled from this node, so its value is not part of the key.
             arg = arg.clone()
             node.inputs.append(arg)
-            descr.append(("cpu-scalar", arg.dtype))
+            descr.append(("cpu-scalar", arg.dtype, tuple(arg.shape)))
             return arg
         if type(arg) is float:
             node.floats = True

@@ -9,6 +9,7 @@ decomposition; they are unrolled into the per-tensor op that PyTorch's own slow 
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -86,6 +87,11 @@ def _unroll_foreach(name, *args, **kwargs):
     scalar_op = getattr(torch, name)
     length = next(len(a) for a in args if isinstance(a, (list, tuple)))
     keyword = _SCALAR_KEYWORD.get(name)
+    if keyword and len(args) == 4 and isinstance(args[3], torch.Tensor):
+        # scalars as a tensor (Adam's step sizes, lifted from floats that change every step): the
+        # per-tensor op wants a number, so spell it out as PyTorch's own decomposition does
+        inner = torch.div if name == "addcdiv" else torch.mul
+        return [torch.add(args[0][i], torch.mul(inner(args[1][i], args[2][i]), args[3][i])) for i in range(length)]
     if keyword and len(args) == 4:
         kwargs = {**kwargs, keyword: args[3]}
         args = args[:3]
@@ -109,8 +115,7 @@ def _foreach_entries(graph: torch.fx.Graph) -> dict:
         if functional is None or not hasattr(torch, name):
             continue
         for overload in functional.overloads():
-            if overload != "Tensor" or name not in _SCALAR_KEYWORD:  # tensor of scalars: left opaque
-                entries[getattr(functional, overload)] = functools.partial(_unroll_foreach, name)
+            entries[getattr(functional, overload)] = functools.partial(_unroll_foreach, name)
     return entries
 
 
@@ -150,8 +155,32 @@ def _tracing_inputs(example_inputs) -> list:
             and t.device.type == "meta" else t for t in example_inputs]
 
 
+# In-place foreach ops whose scalars come as a tensor (lifted from Adam's per-step floats by the
+# runtime): functionalization checks them on meta tensors, scalars included, which their kernel
+# refuses ("Expected scalars to be on CPU"). Their functional form plus write-backs is the same.
+_TENSOR_SCALARS_INPLACE = {aten._foreach_addcdiv_.Tensor: aten._foreach_addcdiv.Tensor,
+                           aten._foreach_addcmul_.Tensor: aten._foreach_addcmul.Tensor}
+
+
+def functional_tensor_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with every in-place foreach op of _TENSOR_SCALARS_INPLACE as its functional form
+    followed by `copy_` of each result into its input."""
+    nodes = [n for n in gm.graph.nodes if n.target in _TENSOR_SCALARS_INPLACE]
+    if not nodes:
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in [n for n in graph.nodes if n.target in _TENSOR_SCALARS_INPLACE]:
+        with graph.inserting_before(node.next):
+            results = graph.call_function(_TENSOR_SCALARS_INPLACE[node.target], node.args, node.kwargs)
+            for i, target in enumerate(node.args[0]):
+                graph.call_function(aten.copy_.default, (target, graph.call_function(operator.getitem, (results, i))))
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
-    flat = host_factories(flat_module(gm))
+    flat = functional_tensor_scalars(host_factories(flat_module(gm)))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 

@@ -45,7 +45,7 @@ EXPAND = aten.expand.default
 # decompositions make (`where(mask, scalar_tensor(-inf), x)`): a tile of them is computed in place,
 # so they fuse (or are inlined) instead of costing a launch and an HBM round trip each.
 EXTRA_ELEMENTWISE = frozenset({aten.clone.default, aten._to_copy.default, aten.full_like.default,
-                               aten.zeros_like.default, aten.ones_like.default})
+                               aten.zeros_like.default, aten.ones_like.default, aten.copy.default})
 SCALAR_CONSTANTS = frozenset({aten.scalar_tensor.default, aten.full.default})
 # Integer ranges: start + step * the column index, made on chip (an iota) instead of loaded.
 ARANGES = frozenset({aten.arange.default, aten.arange.start_step})
