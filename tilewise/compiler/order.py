@@ -1,8 +1,7 @@
 """Reorder a region graph so that each kernel's nodes are contiguous (networkx topological sort).
 
-Partition uses it to make fusion groups contiguous; the launch schedule uses it again to run
-opaque kernels as late as their users allow, so that the tile kernels between them form as few
-launches as possible. The graph is functional except for the trailing `copy_(input, new)`
+The launch schedule uses it to make kernels contiguous and to run opaque kernels as late as their
+users allow, so that the tile kernels between them form as few launches as possible. The graph is functional except for the trailing `copy_(input, new)`
 write-backs, so any topological order of its dataflow is valid once each write-back also waits
 for every other reader of the input it overwrites.
 """
@@ -19,9 +18,9 @@ COPY = torch.ops.aten.copy_.default
 
 def contiguous_order(gm: torch.fx.GraphModule, unit_of: dict[str, str], late: frozenset = frozenset()
                      ) -> torch.fx.GraphModule:
-    """`gm` with its nodes grouped by unit (`unit_of`: node name -> unit, loose nodes are their own
-    unit), units in topological order, earliest first, except that `late` units wait until nothing
-    else can run without them (see `_late_ranks`)."""
+    """`gm`, reordered in place: its nodes grouped by unit (`unit_of`: node name -> unit, loose nodes
+    are their own unit), units in topological order, earliest first, except that `late` units wait
+    until nothing else can run without them (see `_late_ranks`)."""
     nodes = list(gm.graph.nodes)
     position = {node.name: index for index, node in enumerate(nodes)}
     unit = lambda node: unit_of.get(node.name, node.name)  # noqa: E731
@@ -47,12 +46,16 @@ def contiguous_order(gm: torch.fx.GraphModule, unit_of: dict[str, str], late: fr
     members: dict[str, list] = {}
     for node in nodes:
         members.setdefault(unit(node), []).append(node)
-    graph = torch.fx.Graph()
-    env: dict = {}
+    # Move the nodes into place (node_copy into a new graph maps every argument through pytree,
+    # the slowest part of compiling a large region); the graph is the pass's own to change.
+    previous = None
     for u in order:
         for node in members[u]:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    return torch.fx.GraphModule(gm, graph)
+            if previous is not None and previous.next is not node:
+                previous.append(node)
+            previous = node
+    gm.recompile()
+    return gm
 
 
 def _late_ranks(dag: nx.DiGraph, late: frozenset) -> dict:

@@ -3,15 +3,14 @@
 A group iterates over a 2-D domain (rows R, cols C): every value in it is held either as a full
 [rows x cols] tile or as a [rows x 1] "row" tile (constant along the free axis, e.g. a mean over
 the last dim). A node joins the group of an input when it tiles the same way and the group stays
-convex (no path leaves the group and comes back), which `_Groups` tracks with ancestor sets; the
-final order is a networkx topological sort of the group graph.
+convex (no path leaves the group and comes back), which `_Groups` tracks with ancestor sets. The
+graph keeps its order here; the schedule pass makes each kernel contiguous.
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import CompileError
-from .order import contiguous_order
 from .ops import (ARANGES, BROADCAST_IN_DIM, EMBEDDING, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
                   opaque_reason, reduced_dims, shape, strip, tensor_inputs)
 from .region import Group, Region
@@ -276,8 +275,9 @@ def partition(region: Region) -> Region:
     _fuse_siblings(state, graph)
     groups = _freeze(state)
     groups = fuse_updates(groups, graph)
-    gm = _reorder(region.gm, groups)
-    return region.replace(pass_name="partition", gm=gm, groups=tuple(g for g in groups if g.kind != "glue"),
+    for node in graph.nodes:  # positions were for this pass only
+        node.meta.pop("_tw_pos", None)
+    return region.replace(pass_name="partition", groups=tuple(g for g in groups if g.kind != "glue"),
                           refused=region.refused + tuple(state.refused))
 
 
@@ -342,11 +342,3 @@ def _only_written_back(group: Group, nodes: dict) -> bool:
     users = [u for name in group.nodes for u in nodes[name].users if u.name not in inside]
     return bool(users) and any(u.target is torch.ops.aten.copy_.default for u in users) and \
         all(u.target is torch.ops.aten.copy_.default or u.op == "output" for u in users)
-
-
-def _reorder(gm: torch.fx.GraphModule, groups: list[Group]) -> torch.fx.GraphModule:
-    """A graph whose nodes are ordered so that each group is contiguous."""
-    new = contiguous_order(gm, {name: f"g{g.id}" for g in groups for name in g.nodes})
-    for node in new.graph.nodes:
-        node.meta.pop("_tw_pos", None)
-    return new
