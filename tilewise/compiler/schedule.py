@@ -13,6 +13,7 @@ says so). A resident value is still written to HBM when anything outside the lau
 from __future__ import annotations
 
 from ..device.spec import DeviceSpec
+from .memory_plan import check_launch_limits
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
@@ -29,6 +30,7 @@ def schedule(region: Region, spec: DeviceSpec) -> Region:
     launches, refused = [], list(region.refused)
     for run in _runs(kernels):
         launch, spilled = _launch(run, f"launch_{len(launches)}", unit_of, users, spec)
+        check_launch_limits(launch, spec)  # the plan, re-checked by the independent checker
         launches.append(launch)
         refused += spilled
     return region.replace(pass_name="schedule", gm=gm, kernels=tuple(kernels), launches=tuple(launches),
