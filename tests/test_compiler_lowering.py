@@ -380,3 +380,11 @@ def test_mse_loss_forward_and_backward_compile_whole():
 def test_reductions_of_empty_rows_stay_on_the_host():
     for fn, shape in [(lambda x: x.sum(), (2, 0, 3)), (lambda x: x.sum(-1), (3, 0))]:
         assert kinds(check(fn, [torch.randn(shape)])) == ["opaque"]
+
+
+def test_a_graph_with_a_data_dependent_output_shape_is_refused_with_a_clear_error():
+    from tilewise.errors import CompileError
+    x = torch.tensor([1.0, 2.0, 2.0])
+    gm = make_fx(lambda x: torch.unique(x) * 2, tracing_mode="symbolic")(x)
+    with pytest.raises(CompileError, match="output shape depends on data"):
+        compile_graph(gm, [x], spec=TRN2)

@@ -14,10 +14,15 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ..errors import CompileError
 from .region import Region
+
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 aten = torch.ops.aten
 
@@ -188,8 +193,12 @@ def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
         out = flat(*args)
         return tuple(leaf for leaf in pytree.tree_leaves(out))
 
-    traced = make_fx(functionalize(flat_fn, remove="mutations"), decomposition_table=table,
-                     tracing_mode="fake")(*_tracing_inputs(example_inputs))
+    try:
+        traced = make_fx(functionalize(flat_fn, remove="mutations"), decomposition_table=table,
+                         tracing_mode="fake")(*_tracing_inputs(example_inputs))
+    except _DATA_DEPENDENT as error:  # a decomposition that reads data (take's bounds check, say)
+        raise CompileError(f"{name}: a decomposition depends on data ({type(error).__name__}); "
+                           "it runs eagerly") from error
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return Region(pass_name="decompose", gm=traced, name=name)

@@ -98,8 +98,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | N
 
 
 def _check_arguments(gm, example_inputs, spec, name) -> None:
-    """Bad arguments are ConfigErrors that say what was expected, before any pass runs."""
-    from ..errors import ConfigError
+    """Bad arguments are ConfigErrors that say what was expected, before any pass runs; a graph
+    no tile program can express is a CompileError."""
+    from ..errors import CompileError, ConfigError
     if not isinstance(gm, torch.fx.GraphModule):
         raise ConfigError(f"compile_graph expects a torch.fx.GraphModule (e.g. from make_fx); got {type(gm).__name__}")
     if not isinstance(example_inputs, (list, tuple)):
@@ -110,6 +111,11 @@ def _check_arguments(gm, example_inputs, spec, name) -> None:
     placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     if placeholders != len(example_inputs):
         raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
+    dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+                      and torch.Tag.dynamic_output_shape in n.target.tags})
+    if dynamic:
+        raise CompileError(f"the graph has ops whose output shape depends on data ({', '.join(dynamic)}): "
+                           "tile programs need static shapes; run them eagerly")
     if not isinstance(spec, DeviceSpec):
         raise ConfigError(f"spec must be a DeviceSpec (tilewise.device.PRESETS: trn2, trn3) or None; got {spec!r}")
     if not isinstance(name, str) or not name:

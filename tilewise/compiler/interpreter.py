@@ -161,7 +161,9 @@ def run_kernel(kernel: Kernel, env: dict, launch: Launch | None = None, sbuf: di
             whole.view(-1, ref.shape[-1])[:, ref.col_offset:ref.col_offset + cols] = hbm_out[name].reshape(-1, cols)
     for node, whole in written.items():
         ref = next(r for r in kernel.outputs.values() if r.node == node)
-        env[node] = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(whole)
+        broadcast = any(stride == 0 and size > 1 for size, stride in zip(ref.shape, ref.stride))
+        # an expanded value was written out whole; its own strides would alias its elements
+        env[node] = whole if broadcast else torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(whole)
 
 
 def _source(kernel: Kernel, name: str, ref: HbmRef, env: dict, launch: Launch, sbuf: dict) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""Every op of PyTorch's OpInfo database through the compiler (tests/compiler_conformance.py):
+counts per outcome, and every failing sample with its first error line.
+
+    python scripts/compiler_opinfo_sweep.py                # first 2 float32 samples of every op
+    python scripts/compiler_opinfo_sweep.py --samples 6 --ops gather,cat
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2, help="float32 samples per op (default 2)")
+    parser.add_argument("--ops", help="comma-separated op keys (default: all)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    import compiler_conformance as cc
+    wanted = set(args.ops.split(",")) if args.ops else None
+    counts, failures, started = collections.Counter(), [], time.perf_counter()
+    for op in op_db:
+        key = cc.op_key(op)
+        if wanted is not None and key not in wanted or key.startswith(("sparse.", "to_sparse")):
+            continue
+        for index, sample in enumerate(cc.samples(op, limit=args.samples)):
+            status, message = cc.outcome(op, sample)
+            counts[status] += 1
+            if status == cc.FAIL:
+                failures.append(f"{key}[{index}]: {message}")
+    print(f"samples {sum(counts.values())} in {time.perf_counter() - started:.0f} s: "
+          + ", ".join(f"{status} {n}" for status, n in counts.most_common()))
+    print("\n".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
