@@ -388,3 +388,15 @@ def test_a_graph_with_a_data_dependent_output_shape_is_refused_with_a_clear_erro
     gm = make_fx(lambda x: torch.unique(x) * 2, tracing_mode="symbolic")(x)
     with pytest.raises(CompileError, match="output shape depends on data"):
         compile_graph(gm, [x], spec=TRN2)
+
+
+def test_a_scalar_expanded_to_width_one_stays_a_row_when_the_group_widens():
+    # quantile's decomposition: an index made from expand(scalar, [1]) gathers from a row of 2
+    check(lambda x: torch.quantile(x, 0.5), [torch.tensor([3.0, 1.0])])
+    check(lambda x: torch.quantile(x, 0.3, dim=-1), [torch.randn(4, 15)])
+
+
+def test_a_copy_into_another_memory_format_tiles_without_the_format():
+    x = torch.randn(2, 2, 5, 2, 3).to(memory_format=torch.channels_last_3d)
+    compiled = check(lambda x: (x * 2).clone(memory_format=torch.channels_last_3d), [x])
+    assert "opaque" not in kinds(compiled)

@@ -120,6 +120,8 @@ class _Loop:
         op = Ops.REDUCE if cat == "reduction" else Ops.ALU
         target, args, kwargs = reduce_call(node, template) if cat == "reduction" else \
             (node.target, template[0], template[1])
+        # a tile has no memory format: the store writes the output in its own strides
+        kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
         return self.emit(TileOp(op, val(node).dtype, tuple(srcs), (target, args, kwargs), self.axes(node), "sbuf",
                                 f"{node.name}_sbuf"))
 

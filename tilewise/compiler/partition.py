@@ -154,6 +154,8 @@ def _view_fit(node, group: _G):
         if out and out[-1] == cols:
             return group.domain, False
         return Reason("view", f"{node.name} changes the free axis of {arg.name}")
+    if widens_row and arg_row and out and out[-1] == 1 and numel(out) == rows:
+        return group.domain, True  # widened to a width of 1: still one value per row
     if widens_row and arg_row and out and numel(out) == rows * out[-1] and cols in (1, out[-1]):
         return (rows, out[-1]), False
     return Reason("view", f"{node.target} does not keep tiles whole")
