@@ -97,6 +97,18 @@ def test_factories_made_every_step_join_the_compiled_region():
     assert last_step and not {"ones", "arange", "full", "fill_", "tril"} & set(last_step), last_step
 
 
+def test_explain_shows_what_the_compiler_made_of_each_region():
+    run("mlp", "adaptive", steps=6)
+    names = [r.name for r in tilewise.stats().regions.values() if r.hits]
+    text = tilewise.explain(names[0])
+    assert text.startswith(f"# {names[0]}:") and "after pass: cost" in text
+    assert "launch " in text and "# refused" in text and "kernel matmul_" in text
+    everything = tilewise.explain(passes=True)
+    assert "after pass: decompose" in everything and "after pass: schedule" in everything
+    with pytest.raises(tilewise.ConfigError, match="no compiled region named 'nope'; the cache holds: region"):
+        tilewise.explain("nope")
+
+
 def test_region_compiles_exactly_at_threshold():
     x = torch.randn(64, 64).to("neuron")
     tilewise.stats().reset()

@@ -1,10 +1,12 @@
-"""`tilewise.engine()`, `tilewise.sync()` and `tilewise.stats()`: the public surface."""
+"""`tilewise.engine()`, `sync()`, `stats()`, `explain()`, `reset_caches()`: the public surface."""
 from __future__ import annotations
 
 import contextlib
 
 from ..config import config
 from ..device.runtime import DEVICE
+from ..errors import ConfigError
+from .regions import CompiledEntry
 from .runtime import Runtime
 from .stats import Stats
 from .tracer import Tracer
@@ -44,6 +46,22 @@ def sync() -> None:
 
 def stats() -> Stats:
     return RUNTIME.stats
+
+
+def explain(region: str | None = None, passes: bool = False) -> str:
+    """What the compiler made of the compiled regions in the cache (or of the one named, e.g.
+    "region2" from `stats().report()`): the decomposed graph annotated with fusion groups, the tile
+    kernels, the launches with what stays in SBUF, their cost, and every refused fusion with its
+    reason. `passes=True` shows the region after every pass instead of after the last."""
+    entries = [e for e in list(RUNTIME.regions.values()) if isinstance(e, CompiledEntry)]
+    if region is not None:
+        chosen = [e for e in entries if e.name == region]
+        if not chosen:
+            names = ", ".join(e.name for e in entries) or "none"
+            raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}")
+        entries = chosen
+    return "\n\n".join(f"# {e.name}: {e.ops} ops, {e.runs} runs, {e.kernels} launches per run\n"
+                       + (str(e.compiled) if passes else e.compiled.passes_text[-1]) for e in entries)
 
 
 def reset_caches() -> None:
