@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..device.tensor import NeuronTensor, wrap
+from ..device.tensor import NeuronTensor, names_neuron, wrap
 from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
 
@@ -90,7 +90,7 @@ class Segment:
         kw_descr: list = []
         node.kwargs = {k: self._host_one(v, kw_descr, node, producer_fps) for k, v in kwargs.items()} \
             if kwargs else {}
-        if _names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
+        if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
             node.kwargs["device"] = torch.device("cpu")
         node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
             (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
@@ -198,10 +198,6 @@ class Segment:
             if src_node.kind == VIEW:
                 return src_node.roots[node.srcs[0][1]]
         return None
-
-
-def _names_neuron(device) -> bool:
-    return device is not None and torch.device(device).type == "neuron"
 
 
 def _metadata(data: torch.Tensor) -> tuple:

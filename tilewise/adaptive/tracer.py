@@ -5,10 +5,9 @@ runtime. The autograd engine runs backward on its own thread with this mode prop
 """
 from __future__ import annotations
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..device.tensor import NeuronTensor
+from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import execute
 
 
@@ -21,7 +20,7 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if NeuronTensor not in types:
-            if not _makes_device_tensor(kwargs):
+            if not names_neuron(kwargs.get("device")):
                 return func(*args, **kwargs)
             if self.lazy:
                 return self.runtime.create(func, args, kwargs)
@@ -30,8 +29,3 @@ class Tracer(TorchDispatchMode):
         self.runtime.stats.ops_seen += 1
         self.runtime.stats.ops_eager += 1
         return execute(func, args, kwargs)
-
-
-def _makes_device_tensor(kwargs) -> bool:
-    device = kwargs.get("device")
-    return device is not None and torch.device(device).type == "neuron"

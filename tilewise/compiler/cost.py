@@ -61,7 +61,7 @@ def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
     launch. Loads and stores of values resident in SBUF move nothing through HBM."""
     off_chip = {name for op in kernel.body if op.op is Ops.LOAD
                 for name in [op.arg[0]] if not launch.on_chip(kernel.inputs[name], op.arg[1])}
-    kept = {name for name, ref in kernel.outputs.items() if _kept_on_chip(launch, ref)}
+    kept = {name for name, ref in kernel.outputs.items() if launch.only_on_chip(ref)}
     # an output is written where its view says: all of it, or some columns (a part of a cat)
     hbm = sum(_nbytes(kernel.inputs[n].shape, kernel.inputs[n].dtype) for n in off_chip) + \
         sum(_nbytes(r.rows_cols, r.dtype) for n, r in kernel.outputs.items() if n not in kept)
@@ -84,10 +84,6 @@ def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
     compute = max(engine_time.values(), default=0.0)
     engine = "TensorEngine" if flops else max(engine_time, key=engine_time.get) if engine_time else "DMA"
     return hbm, dma_seconds(spec, dma_bytes), engine, compute, flops, max(tiles, 1)
-
-
-def _kept_on_chip(launch: Launch, ref) -> bool:
-    return (ref.node, ref.rows_cols) in launch.resident and ref.node not in launch.stored
 
 
 def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> tuple:

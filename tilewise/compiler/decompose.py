@@ -9,6 +9,7 @@ decomposition; they are unrolled into the per-tensor op that PyTorch's own slow 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import torch
@@ -19,6 +20,7 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from ..device.tensor import names_neuron
 from ..errors import CompileError
 from .region import Region
 
@@ -49,7 +51,7 @@ def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
     the TensorEngine when they are the leading dims), accumulating in float32 for 16-bit inputs as
     PyTorch does. NotImplemented (the op as it is) for every other sum."""
     ndim = x.dim()
-    reduced = sorted({d % ndim for d in dims} if dims else range(ndim)) if ndim else []
+    reduced = _reduced(x, dims)
     if len(reduced) < 2 or reduced[-1] != ndim - 1 or not x.is_floating_point() or not x.numel():
         return NotImplemented
     first = ndim - 1
@@ -67,20 +69,18 @@ def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
     return total if total.dtype == out_dtype else aten._to_copy.default(total, dtype=out_dtype)
 
 
+def _reduced(x, dims) -> list[int]:
+    """The dims a sum or mean over `dims` reduces, sorted and non-negative (none given: all)."""
+    return sorted({d % x.dim() for d in dims} if dims else range(x.dim())) if x.dim() else []
+
+
 def _mean_as_sum(x, dims=None, keepdim=False, dtype=None):
     """mean = sum / count, so a mean over several dims splits like the sum (see above)."""
-    if not x.is_floating_point() and dtype is None:
-        return NotImplemented
-    reduced = sorted({d % x.dim() for d in dims} if dims else range(x.dim())) if x.dim() else []
-    if len(reduced) < 2:
-        return NotImplemented
-    count = 1
-    for d in reduced:
-        count *= x.shape[d]
+    reduced = _reduced(x, dims)
     total = _sum_last_dim_first(x, reduced, keepdim, dtype=dtype)
     if total is NotImplemented:
         return NotImplemented
-    return aten.div.Tensor(total, count)
+    return aten.div.Tensor(total, math.prod(x.shape[d] for d in reduced))
 
 
 # Per-tensor ops whose scalar operand is keyword-only, while the _foreach_ form passes it positionally.
@@ -139,18 +139,14 @@ def host_factories(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     A region's inputs are the host buffers standing for HBM, and so must be what it creates (the
     autograd engine's `new_empty_strided(grad, ..., device=neuron)` for a gradient, say): a device
     tensor made inside the graph would meet host tensors in the next op."""
-    if not any(_names_neuron(node.kwargs.get("device")) for node in gm.graph.nodes):
+    if not any(names_neuron(node.kwargs.get("device")) for node in gm.graph.nodes):
         return gm
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.nodes:
-        if _names_neuron(node.kwargs.get("device")):
+        if names_neuron(node.kwargs.get("device")):
             node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
     return torch.fx.GraphModule(gm, graph)
-
-
-def _names_neuron(device) -> bool:
-    return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
 
 
 def _tracing_inputs(example_inputs) -> list:

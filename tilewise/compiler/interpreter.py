@@ -149,10 +149,10 @@ def run_kernel(kernel: Kernel, env: dict, launch: Launch | None = None, sbuf: di
     _TileRun(kernel, hbm_in, hbm_out).run()
     written: dict = {}  # value -> its whole HBM buffer, poisoned where no store of the kernel reached
     for name, ref in kernel.outputs.items():
-        if (ref.node, ref.rows_cols) in launch.resident:
+        if launch.holds(ref):
             sbuf[(ref.node, ref.rows_cols)] = hbm_out[name]
-            if ref.node not in launch.stored:
-                continue
+        if launch.only_on_chip(ref):
+            continue
         whole = written.setdefault(ref.node, poisoned(ref.shape, ref.dtype))
         if math.prod(ref.rows_cols) == whole.numel():
             whole.copy_(hbm_out[name].reshape(ref.shape))

@@ -178,8 +178,7 @@ class _Loop:
         return self.loads[key]
 
     def hbm_in(self, value, view, rows_cols) -> str:
-        meta = val(value)
-        ref = HbmRef(value.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, tuple(view), rows_cols)
+        ref = hbm_ref(value, rows_cols, view=view)
         for name, known in self.kernel_in.items():
             if known == ref:
                 return name
@@ -189,12 +188,10 @@ class _Loop:
         return name
 
     def store(self, node, tile: TileOp) -> None:
-        meta = val(node)
         rows, cols = self.group.domain
         name = f"{node.name}_hbm"
-        self.kernel_out[name] = HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (),
-                                       self.layout(rows, 1 if self.is_row(node) else cols))
-        self.emit(TileOp(Ops.STORE, meta.dtype, (tile,), name))
+        self.kernel_out[name] = hbm_ref(node, self.layout(rows, 1 if self.is_row(node) else cols))
+        self.emit(TileOp(Ops.STORE, val(node).dtype, (tile,), name))
 
     def lower_matmul(self, node) -> TileOp:
         dims = matmul_dims(node)
@@ -317,27 +314,43 @@ def _batches(group: Group, nodes: dict) -> int:
     return matmul_dims(bmm[0]).batch if bmm else 0
 
 
+def hbm_ref(value, layout, view=(), col_offset: int = 0) -> HbmRef:
+    """A region value as a kernel sees it in HBM: the `layout` its tile axes index (broadcast to
+    `view` first, or stored from `col_offset` on)."""
+    meta = val(value)
+    return HbmRef(value.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, tuple(view), tuple(layout),
+                  col_offset)
+
+
+def _tile_loops(suffix: str, rows: int, cols: int, step: int, spec: DeviceSpec, body) -> list[TileOp]:
+    """A loop over [partitions x step] tiles of a rows x cols space around `body(axes)`."""
+    row_loop = TileOp(Ops.RANGE, None, arg=(f"r{suffix}", rows, spec.partitions))
+    col_loop = TileOp(Ops.RANGE, None, arg=(f"c{suffix}", cols, step))
+    axes = ((f"r{suffix}", spec.partitions), (f"c{suffix}", step))
+    return [row_loop, col_loop, *body(axes), TileOp(Ops.END, None, srcs=(col_loop,)),
+            TileOp(Ops.END, None, srcs=(row_loop,))]
+
+
+def _copy(source: str, target: str, dtype, label: str):
+    """Loop body: load a tile of `source`, store it to `target` (a DMA-bound copy)."""
+    def body(axes):
+        tile = TileOp(Ops.LOAD, dtype, (), (source, False), axes, "sbuf", f"{label}_sbuf")
+        return [tile, TileOp(Ops.STORE, dtype, (tile,), target)]
+    return body
+
+
 def concat_kernel(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:
     """cat along the last dim: per part, a loop that loads its tiles and stores them at its
     column offset of the output (a DMA-bound copy, no engine work)."""
     node = nodes[group.nodes[0]]
-    meta, rows = val(node), group.domain[0]
+    rows, dtype = group.domain[0], val(node).dtype
     inputs, outputs, body, offset = {}, {}, [], 0
     for index, part in enumerate(cat_parts(node)):
         cols = shape(part)[-1]
-        r, c = f"r{index}", f"c{index}"
-        axes = ((r, spec.partitions), (c, min(free, cols)))
         source, target = f"{part.name}_hbm{index}", f"{node.name}_hbm{index}"
-        part_meta = val(part)
-        inputs[source] = HbmRef(part.name, tuple(part_meta.shape), tuple(part_meta.stride()), part_meta.dtype, (),
-                                (rows, cols))
-        outputs[target] = HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (), (rows, cols),
-                                 offset)
-        row_loop = TileOp(Ops.RANGE, None, arg=(r, rows, spec.partitions))
-        col_loop = TileOp(Ops.RANGE, None, arg=(c, cols, axes[1][1]))
-        tile = TileOp(Ops.LOAD, meta.dtype, (), (source, False), axes, "sbuf", f"{part.name}_sbuf")
-        body += [row_loop, col_loop, tile, TileOp(Ops.STORE, meta.dtype, (tile,), target),
-                 TileOp(Ops.END, None, srcs=(col_loop,)), TileOp(Ops.END, None, srcs=(row_loop,))]
+        inputs[source] = hbm_ref(part, (rows, cols))
+        outputs[target] = hbm_ref(node, (rows, cols), col_offset=offset)
+        body += _tile_loops(str(index), rows, cols, min(free, cols), spec, _copy(source, target, dtype, part.name))
         offset += cols
     return Kernel(name=group.name, kind="concat", nodes=group.nodes, inputs=inputs, outputs=outputs,
                   body=tuple(body))
@@ -350,32 +363,25 @@ def scatter_add_kernel(group: Group, nodes: dict, spec: DeviceSpec, free: int) -
     index counts from the end, as in PyTorch."""
     node = nodes[group.nodes[0]]
     self_, (index,), values = node.args[0], node.args[1], node.args[2]
-    meta, (rows, cols) = val(node), group.domain
+    dtype, (rows, cols) = val(node).dtype, group.domain
     count = numel(shape(index))
-    refs = {f"{self_.name}_hbm": (self_, (rows, cols)), f"{index.name}_hbm": (index, (count, 1)),
-            f"{values.name}_hbm": (values, (count, cols))}
-    inputs = {name: HbmRef(v.name, tuple(val(v).shape), tuple(val(v).stride()), val(v).dtype, (), layout)
-              for name, (v, layout) in refs.items()}
-    target = f"{node.name}_hbm"
-    outputs = {target: HbmRef(node.name, tuple(meta.shape), tuple(meta.stride()), meta.dtype, (), (rows, cols))}
+    base, where, added, target = (f"{v.name}_hbm" for v in (self_, index, values, node))
+    inputs = {base: hbm_ref(self_, (rows, cols)), where: hbm_ref(index, (count, 1)),
+              added: hbm_ref(values, (count, cols))}
+
+    def accumulate(axes):
+        position = TileOp(Ops.LOAD, val(index).dtype, (), (where, False), (axes[0], (None, 1)), "sbuf",
+                          f"{index.name}_sbuf")
+        row = TileOp(Ops.ALU, position.dtype, (position,), (aten.remainder.Scalar, (("$", 0), rows), {}),
+                     position.shape, "sbuf", f"{index.name}_rows_sbuf")
+        tile = TileOp(Ops.LOAD, dtype, (), (added, False), axes, "sbuf", f"{values.name}_sbuf")
+        return [position, row, tile, TileOp(Ops.STORE, dtype, (tile, row), target)]
+
     step = min(free, cols)
-    copy_rows, copy_cols = TileOp(Ops.RANGE, None, arg=("r0", rows, spec.partitions)), \
-        TileOp(Ops.RANGE, None, arg=("c0", cols, step))
-    base = TileOp(Ops.LOAD, meta.dtype, (), (f"{self_.name}_hbm", False), (("r0", spec.partitions), ("c0", step)),
-                  "sbuf", f"{self_.name}_sbuf")
-    add_rows, add_cols = TileOp(Ops.RANGE, None, arg=("r1", count, spec.partitions)), \
-        TileOp(Ops.RANGE, None, arg=("c1", cols, step))
-    where = TileOp(Ops.LOAD, val(index).dtype, (), (f"{index.name}_hbm", False), (("r1", spec.partitions), (None, 1)),
-                   "sbuf", f"{index.name}_sbuf")
-    wrapped = TileOp(Ops.ALU, where.dtype, (where,), (aten.remainder.Scalar, (("$", 0), rows), {}), where.shape,
-                     "sbuf", f"{index.name}_rows_sbuf")
-    rows_in = TileOp(Ops.LOAD, meta.dtype, (), (f"{values.name}_hbm", False), (("r1", spec.partitions), ("c1", step)),
-                     "sbuf", f"{values.name}_sbuf")
-    body = (copy_rows, copy_cols, base, TileOp(Ops.STORE, meta.dtype, (base,), target),
-            TileOp(Ops.END, None, srcs=(copy_cols,)), TileOp(Ops.END, None, srcs=(copy_rows,)),
-            add_rows, add_cols, where, wrapped, rows_in, TileOp(Ops.STORE, meta.dtype, (rows_in, wrapped), target),
-            TileOp(Ops.END, None, srcs=(add_cols,)), TileOp(Ops.END, None, srcs=(add_rows,)))
-    return Kernel(name=group.name, kind="scatter_add", nodes=group.nodes, inputs=inputs, outputs=outputs, body=body)
+    body = _tile_loops("0", rows, cols, step, spec, _copy(base, target, dtype, self_.name)) + \
+        _tile_loops("1", count, cols, step, spec, accumulate)
+    return Kernel(name=group.name, kind="scatter_add", nodes=group.nodes, inputs=inputs,
+                  outputs={target: hbm_ref(node, (rows, cols))}, body=tuple(body))
 
 
 def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kernel:

@@ -117,10 +117,18 @@ class Launch:
     stored: frozenset = frozenset()     # names of resident values also written to HBM
     resident_bytes_per_partition: int = 0  # peak SBUF the resident values take, beside the kernels' tiles
 
+    def holds(self, ref: HbmRef) -> bool:
+        """Whether the value, in the layout `ref` gives it, is resident in SBUF during the launch."""
+        return (ref.node, ref.rows_cols) in self.resident
+
     def on_chip(self, ref: HbmRef, transpose: bool = False) -> bool:
         """Whether an access to `ref` is served from SBUF: resident, and read in the layout it was
         written in (rows on partitions, untransposed, not broadcast)."""
-        return (ref.node, ref.rows_cols) in self.resident and not transpose and ref.view in ((), ref.shape)
+        return self.holds(ref) and not transpose and ref.view in ((), ref.shape)
+
+    def only_on_chip(self, ref: HbmRef) -> bool:
+        """Whether a store of `ref` stays in SBUF, nothing outside the launch reading it from HBM."""
+        return self.holds(ref) and ref.node not in self.stored
 
     def __str__(self) -> str:
         from .printer import format_launch

@@ -14,6 +14,11 @@ import torch
 from .runtime import DEVICE
 
 NEURON = torch.device("neuron", 0)
+
+
+def names_neuron(device) -> bool:
+    """Whether a `device=` argument (a string or torch.device) names the neuron device."""
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
