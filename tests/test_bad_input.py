@@ -16,18 +16,19 @@ from tilewise.device import PRESETS, TRN2, preset
 
 BAD_VALUES = {
     "mode": ["fast", "", 3, None, ["eager"], "eager!", b"eager"],
-    "threshold": [0, -1, 1.5, "three", "", None, True, float("inf"), float("nan"), [3]],
+    "threshold": [0, -1, 1.5, "three", "3", "", None, True, float("inf"), float("nan"), [3]],
     "device": ["trn9", "", 2, None, "cuda"],
     "cache_dir": [5, 1.5, ["/tmp"], object()],
     "recompile_limit": [-1, 0.5, "many", float("inf"), False],
     "max_segment_ops": [0, -5, 2.5, "lots", float("-inf")],
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
+    "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
-           "region_cache_size": ">= 1", "timeline_events": ">= 0"}
+           "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0"}
 
 
 def test_every_setting_has_bad_values_listed():
@@ -48,7 +49,7 @@ def test_config_patch_rejects_bad_values_naming_the_allowed_ones(name, value):
 
 
 @pytest.mark.parametrize("name,value", [(n, v) for n, values in BAD_VALUES.items() for v in values
-                                        if isinstance(v, str) and v])
+                                        if isinstance(v, str) and v and not v.isdigit()])
 def test_bad_environment_values_are_config_errors(name, value, monkeypatch):
     monkeypatch.setenv(SETTINGS[name].env, value)
     with pytest.raises(tilewise.ConfigError, match=ALLOWED[name]):

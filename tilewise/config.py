@@ -30,9 +30,11 @@ def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
 
 def _int_at_least(low: int) -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
+        # A whole number, or a float with no fraction; strings only from the environment (parsed
+        # there), so engine(threshold="3") is the type error it would be anywhere in Python.
         try:
-            number = int(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError, OverflowError):  # OverflowError: float("inf")
+            number = int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        except (ValueError, OverflowError):  # float("nan"), float("inf")
             number = None
         if number is None or (isinstance(value, float) and not value.is_integer()) or number < low:
             raise ConfigError(f"{name} must be a whole number >= {low}; got {value!r}")
@@ -47,6 +49,12 @@ def _optional_path(name: str, value: Any) -> str | None:
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{name} must be a directory path or empty; got {value!r}")
     return os.fspath(value)
+
+
+def _from_environment(raw: str) -> Any:
+    """An environment string as the Python value a setting takes: whole numbers as int."""
+    text = raw.strip()
+    return int(text) if text.lstrip("+-").isdigit() else raw
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,9 @@ SETTINGS: dict[str, Setting] = {
                                "a lazy segment is flushed when it holds this many ops"),
     "region_cache_size": Setting(256, "TILEWISE_REGION_CACHE_SIZE", _int_at_least(1),
                                  "compiled regions kept in memory; least recently used are evicted"),
+    "signature_cache_size": Setting(16_384, "TILEWISE_SIGNATURE_CACHE_SIZE", _int_at_least(1),
+                                    "per-signature entries each engine cache keeps (op metadata, fingerprints "
+                                    "seen, segment shapes); least recently used are forgotten"),
     "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
                                "most recent kernels the timeline keeps for trace export"),
 }
@@ -92,7 +103,7 @@ class _Config:
         raw = os.environ.get(setting.env) if setting.env else None
         if raw is None or raw == "":
             return setting.default
-        return setting.check(setting.env, raw)
+        return setting.check(setting.env, _from_environment(raw))
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._overrides[name] = self.validate(name, value)

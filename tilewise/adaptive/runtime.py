@@ -12,10 +12,10 @@ Per flush, the whole policy:
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +24,8 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 from ..eager.executor import execute, run, run_host
 from ..eager.plan import is_random, plan_of
-from . import analysis
+from . import analysis, interrupts
+from .caches import BoundedCache, CacheSize
 from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, writes_shared_input
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable
 from .stats import RegionStats, Stats
@@ -49,22 +50,35 @@ class Runtime:
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
         # Callables given a dict per analysed segment and per compile (the explorer listens here).
         self.observers: list = []
+        # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
+        self.unfinished: list = []
         self.reset_caches()
+        self.stats.cache_sizes = self.cache_sizes
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
 
     def reset_caches(self) -> None:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
         self.flush("caches reset")
-        self.meta_cache: dict = {}
-        self.seen: collections.Counter = collections.Counter()
-        self.plans: collections.OrderedDict = collections.OrderedDict()
+        def signatures():
+            return config.signature_cache_size
+
+        def regions():
+            return config.region_cache_size
+
+        self.meta_cache = BoundedCache(signatures)   # node.local -> output metadata (or why none)
+        self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
+        self.plans = BoundedCache(regions)
         # plans of segments whose eager nodes change constants every flush, keyed without floats
-        self.dynamic_plans: collections.OrderedDict = collections.OrderedDict()
-        self.regions: collections.OrderedDict = collections.OrderedDict()
-        self.sites: collections.Counter = collections.Counter()   # compiled mode: signatures per site
+        self.dynamic_plans = BoundedCache(regions)
+        self.regions = BoundedCache(regions)
+        self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
-        self.skeletons: collections.Counter = collections.Counter()
+        self.skeletons = BoundedCache(signatures)
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
+
+    def cache_sizes(self) -> dict[str, CacheSize]:
+        return {name: getattr(self, name).size() for name in
+                ("meta_cache", "seen", "plans", "dynamic_plans", "regions", "sites", "skeletons")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -118,7 +132,7 @@ class Runtime:
     def _random(self, func, args, kwargs):
         """Random ops draw now, in eager's order; what they read must be computed already."""
         plan = plan_of(func)
-        pending = any(self.segment.is_pending(t._data) for t in _device_tensors(args))
+        pending = any(self.is_pending(t._data) for t in _device_tensors(args))
         if func is aten.native_dropout.default and pending and _is_training_dropout(args):
             return self._dropout(*args[:2])
         if pending or plan.mutates:
@@ -141,21 +155,54 @@ class Runtime:
     def flush(self, reason: str) -> None:
         with self.lock:
             segment = self.segment
-            if not segment.nodes or self._flushing:
+            if self._flushing or not (segment.nodes or self.unfinished):
                 return
             self.segment = Segment()
-            DEVICE.lazy_pending = False
             self._flushing = True
             started, clock = time.perf_counter(), DEVICE.timeline.clock
-            try:
+            if segment.nodes:
                 self.stats.segments += 1
                 self.stats.flush_reasons[reason] += 1
-                self._run_segment(segment)
+                self.unfinished.append(Unfinished(segment, None))
+            try:
+                with interrupts.deferred():
+                    self._drain()
             finally:
                 self._flushing = False
+                DEVICE.lazy_pending = bool(self.unfinished)
                 _host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
+    def _drain(self) -> None:
+        """Run the queued work in order. A flush is a transaction: an exception that stops it
+        (an interrupt) leaves the work not yet done queued, so the next read computes it."""
+        while self.unfinished:
+            work = self.unfinished.pop(0)
+            try:
+                if work.steps is None:
+                    self._run_segment(work.segment)
+                else:
+                    self._run_steps(work.segment, work.steps)
+            except Exception:
+                raise  # the steps computed what they could (_run_steps)
+            except BaseException:
+                if work.steps is None and not (self.unfinished and self.unfinished[0].segment is work.segment):
+                    self.unfinished.insert(0, work)  # stopped before it ran a step
+                raise
+
+    def is_pending(self, host_tensor) -> bool:
+        return self.segment.is_pending(host_tensor) or \
+            any(work.segment.is_pending(host_tensor) for work in self.unfinished)
+
     def _run_segment(self, segment: Segment) -> None:
+        try:
+            steps = self._steps_for(segment)
+        except Exception:  # a bug of the engine's own: surface it, with every value computed
+            self._run_tolerant(segment, [("node", i) for i in range(len(segment.nodes))])
+            raise
+        self._run_steps(segment, steps)
+
+    def _steps_for(self, segment: Segment) -> list:
+        """The segment's plan: cached (guards checked) or made now."""
         locals_ = tuple(n.local for n in segment.nodes)
         # Which external each node reads: `local` says only what its inputs look like, so
         # sub(x1, x1) and sub(x0, x1) on equal-looking inputs would share a plan.
@@ -168,24 +215,24 @@ class Runtime:
         if steps is not None:
             missed = self._guard_miss(segment, steps)
             if missed is None:
-                cache.move_to_end(key)
+                cache.touch(key)
                 dynamic = cache is self.dynamic_plans
                 if dynamic:
                     self._count_dynamic_steps(segment, steps)
                 if self.observers:
                     self._notify(_replay_event(segment, steps, dynamic))
-                return self._run_steps(segment, steps)
+                return steps
             self._forget(cache, key, segment, steps, missed)
-            return self._run_steps(segment, [("node", i) for i in range(len(segment.nodes))])
+            return [("node", i) for i in range(len(segment.nodes))]
         steps, final, reusable = self._plan(segment)
         if final:
-            _bounded_put(self.plans, (locals_, alias), steps)
+            self.plans.put((locals_, alias), steps)
         elif reusable:
             # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
             # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
             members = tuple(n for kind, what in steps if kind == "region" for n in what[0].nodes)
-            _bounded_put(self.dynamic_plans, key, (steps, members, tuple(locals_[n] for n in members)))
-        self._run_steps(segment, steps)
+            self.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
+        return steps
 
     def _dynamic_plan(self, key, locals_):
         cached = self.dynamic_plans.get(key)
@@ -203,10 +250,10 @@ class Runtime:
         nodes = segment.nodes
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
-            self.seen[fp] += 1
+            self.seen.count(fp)
         compiling = self.mode != "eager"
         threshold = 1 if self.mode == "compiled" else self.threshold
-        stable = {i for i, n in enumerate(nodes) if compiling and self.seen[n.fp] >= threshold}
+        stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
@@ -214,8 +261,7 @@ class Runtime:
         order = analysis.execution_order(graph, members, len(nodes))
         needed = _needed_values(segment, graph, members)
         skeleton = tuple(n.func for n in nodes)
-        self.skeletons[skeleton] += 1
-        dynamic = self.skeletons[skeleton] > threshold
+        dynamic = self.skeletons.count(skeleton) > threshold
         steps, final, compiled_all = [], len(stable) == len(nodes), True
         for kind, what in order:
             if kind == "node":
@@ -253,20 +299,20 @@ class Runtime:
         if entry is _FAILED:
             return None
         if entry is not None:
-            self.regions.move_to_end(region.key)
+            self.regions.touch(region.key)
             return entry
         self.stats.cache_misses += 1
         if writes_shared_input(segment, region):
-            self.regions[region.key] = _FAILED
+            self.regions.put(region.key, _FAILED)
             self.stats.fallback("<region>", "writes memory that two of its inputs share", len(region.nodes),
                                 source=False)
             return None
         if self.mode == "compiled":
             site = tuple(segment.nodes[n].func for n in region.nodes)
-            self.sites[site] += 1
-            if self.sites[site] > 1:
+            signatures = self.sites.count(site)
+            if signatures > 1:
                 self.stats.recompiles += 1
-            if self.sites[site] > config.recompile_limit + 1:
+            if signatures > config.recompile_limit + 1:
                 self.stats.fallback("<region>", f"recompile limit ({config.recompile_limit}) reached",
                                     len(region.nodes), source=False)
                 return None
@@ -285,7 +331,7 @@ class Runtime:
             # state breaks that tracing. A thread of its own starts from clean state.
             compiled = _COMPILER_THREAD.submit(compile_graph, gm, inputs, DEVICE.spec, name=name).result()
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            self.regions[region.key] = _FAILED
+            self.regions.put(region.key, _FAILED)
             self.stats.fallback("<region>", f"compile failed: {type(error).__name__}: {error}"[:120],
                                 len(region.nodes), source=False)
             return None
@@ -297,9 +343,7 @@ class Runtime:
                           "refused": [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]})
         entry = CompiledEntry(compiled, region, seconds, name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
-        self.regions[region.key] = entry
-        if len(self.regions) > config.region_cache_size:
-            self.regions.popitem(last=False)
+        self.regions.put(region.key, entry)
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         self.stats.regions[name] = RegionStats(name, len(region.nodes), seconds,
@@ -325,24 +369,70 @@ class Runtime:
                 self.regions.pop(region.key, None)
                 self.stats.regions.get(entry.name, entry).misses += 1
                 for n in region.nodes:
-                    self.seen[segment.nodes[n].fp] = 0
+                    self.seen.pop(segment.nodes[n].fp, None)
 
     def _run_steps(self, segment: Segment, steps) -> None:
-        nodes = segment.nodes
-        for kind, what in steps:
-            if kind == "node":
-                _replay(nodes[what])
-                self.stats.ops_eager += 1
-                continue
-            region, entry = what
-            entry.run(segment, region)
-            self.stats.ops_compiled += len(region.nodes)
-            self.stats.cache_hits += entry.runs > 1
-            detail = self.stats.regions.get(entry.name)
-            if detail is not None:
-                detail.hits += entry.runs > 1
-                detail.kernels = entry.kernels
-                detail.simulated_seconds += entry.seconds
+        for done, step in enumerate(steps):
+            try:
+                self._run_step(segment, step)
+            except Exception:
+                # An op failed (as it would have eagerly, where the user sees it): raise it, but
+                # first compute everything else, so no value the program holds stays unwritten.
+                self._run_tolerant(segment, _node_steps(step) + list(steps[done + 1:]))
+                raise
+            except BaseException:
+                self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
+                raise
+
+    def _run_tolerant(self, segment: Segment, steps) -> None:
+        """Run steps after a failure: a step that fails again has its outputs filled (NaN, or zero
+        for integers), never left as unwritten memory."""
+        for done, step in enumerate(steps):
+            try:
+                self._run_step(segment, step)
+            except Exception:
+                if step[0] == "region":
+                    self._run_tolerant(segment, _node_steps(step))
+                else:
+                    _fill_failed(segment.nodes[step[1]])
+            except BaseException:
+                self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
+                raise
+
+    def _run_step(self, segment: Segment, step) -> None:
+        kind, what = step
+        if kind == "node":
+            _replay(segment.nodes[what])
+            self.stats.ops_eager += 1
+            return
+        region, entry = what
+        entry.run(segment, region)
+        self.stats.ops_compiled += len(region.nodes)
+        self.stats.cache_hits += entry.runs > 1
+        detail = self.stats.regions.get(entry.name)
+        if detail is not None:
+            detail.hits += entry.runs > 1
+            detail.kernels = entry.kernels
+            detail.simulated_seconds += entry.seconds
+
+
+class Unfinished(NamedTuple):
+    """Work of a flush not yet done: a whole segment (steps None: plan it first) or the steps
+    left of its plan."""
+    segment: Segment
+    steps: list | None
+
+
+def _node_steps(step) -> list:
+    """A step as eager node steps (a region's nodes one by one)."""
+    return [("node", n) for n in step[1][0].nodes] if step[0] == "region" else [step]
+
+
+def _fill_failed(node) -> None:
+    if node.kind != FUNCTIONAL:
+        return  # a failed in-place op leaves its input as it was, as eagerly
+    for buffer in node.outs:
+        buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
 
 
 def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
@@ -374,12 +464,6 @@ def _replay_event(segment: Segment, steps, dynamic: bool) -> dict:
     event = _segment_event(segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic)
     event["replayed"] = True
     return event
-
-
-def _bounded_put(cache: collections.OrderedDict, key, value) -> None:
-    cache[key] = value
-    if len(cache) > config.region_cache_size:
-        cache.popitem(last=False)
 
 
 def _without_floats(value):

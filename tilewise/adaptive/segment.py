@@ -1,7 +1,7 @@
 """The lazy segment: ops on device tensors recorded in stream order, computed later.
 
-Every recorded output gets its real host buffer at record time (shape and strides from the op's
-meta kernel, cached per signature) and only the computation is deferred. Views are taken at once
+Every recorded output gets its real host buffer at record time (shape, strides and dtype from the
+op's own CPU kernel, run once per signature on stand-in inputs) and only the computation is deferred. Views are taken at once
 on the real buffers, so aliasing, in-place ops through views and storage sharing are exactly those
 of eager; the program cannot tell, as long as every read of data flushes first.
 
@@ -30,6 +30,18 @@ class Unrecordable(TilewiseError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class _Holder:
+    """Lives exactly as long as some device tensor holds a recorded buffer: it travels with the
+    tensor's `_data` (through `.data =` and `swap_tensors`, which swaps attributes too), and the
+    segment keeps a weak reference to it. A buffer nobody holds need not leave a compiled region."""
+    __slots__ = ("__weakref__",)
+
+
+def _held(wrapped: NeuronTensor) -> weakref.ref:
+    holder = wrapped._holder = _Holder()
+    return weakref.ref(holder)
 
 
 class Node:
@@ -63,7 +75,7 @@ class Segment:
         return id(host_tensor) in self._values or \
             host_tensor.untyped_storage()._cdata in self.written_storages
 
-    def record(self, func, args, kwargs, meta_cache: dict):
+    def record(self, func, args, kwargs, meta_cache):
         externals_before = len(self.externals)
         try:
             return self._record(func, args, kwargs, meta_cache)
@@ -73,7 +85,7 @@ class Segment:
             del self.externals[externals_before:]
             raise
 
-    def _record(self, func, args, kwargs, meta_cache: dict):
+    def _record(self, func, args, kwargs, meta_cache):
         plan = plan_of(func)
         node = Node()
         node.func, node.plan = func, plan
@@ -149,7 +161,7 @@ class Segment:
         return arg
 
     # -- outputs -------------------------------------------------------------------------------
-    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache: dict):
+    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache):
         node.wrappers = None
         node.roots = None
         if plan.metadata_mutating:  # squeeze_, t_, resize_...: the wrapper must change shape now
@@ -169,24 +181,27 @@ class Segment:
             node.outs = tuple(outs)
             node.out_meta = [_metadata(o) for o in outs]
             wrapped = [wrap(o) for o in outs]
-            node.wrappers = tuple(weakref.ref(w) for w in wrapped)
+            node.wrappers = tuple(_held(w) for w in wrapped)
             node.roots = tuple(self._root_of(node) for _ in outs)
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
         node.kind = FUNCTIONAL
         metas = meta_cache.get(node.local)
         if metas is None:
-            metas = meta_cache[node.local] = _meta_outputs(node)
+            metas = _host_outputs(node)
+            meta_cache.put(node.local, metas)
+        if type(metas) is str:
+            raise Unrecordable(metas)
         returns_tuple, outputs, node.out_meta = metas
         if not returns_tuple:  # the common case, without the generators below
             shape, stride, dtype = outputs[0]
             buffer = torch.empty_strided(shape, stride, dtype=dtype)
             node.outs = (buffer,)
             wrapped = wrap(buffer)
-            node.wrappers = (weakref.ref(wrapped),)
+            node.wrappers = (_held(wrapped),)
             return wrapped
         node.outs = tuple(torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in outputs)
         wrapped = [wrap(b) for b in node.outs]
-        node.wrappers = tuple(weakref.ref(w) for w in wrapped)
+        node.wrappers = tuple(_held(w) for w in wrapped)
         return tuple(wrapped)
 
     def _root_of(self, node: Node):
@@ -204,30 +219,47 @@ def _metadata(data: torch.Tensor) -> tuple:
     return (data.shape, data.stride(), data.storage_offset(), data.dtype)
 
 
-def _meta_outputs(node: Node):
-    """Run the op's meta kernel once per signature:
-    (returns a tuple?, [(shape, stride, dtype)] per output, [metadata] per output)."""
-    meta_args = [_to_meta(a) for a in node.args]
-    # A factory naming the neuron device (new_zeros(x, ..., device=neuron) in autograd's backward)
-    # would otherwise make a real device tensor here, whose eager run flushes this very segment.
-    meta_kwargs = {k: "meta" if k == "device" else _to_meta(v) for k, v in node.kwargs.items()}
-    try:
-        out = node.func(*meta_args, **meta_kwargs)
-    except Exception as error:  # no meta kernel, or one that needs data: run it eagerly
-        raise Unrecordable(f"no meta kernel ({type(error).__name__})") from None
+def _host_outputs(node: Node):
+    """The op's output metadata, from PyTorch's own CPU kernel run once per signature on stand-in
+    inputs of the same sizes, strides and dtypes: (returns a tuple?, [(shape, stride, dtype)] per
+    output, [metadata] per output), or the reason the op must run eagerly.
+
+    Meta kernels are a second source of truth that disagrees with the CPU kernels in places (eval
+    batch norm's saved statistics, bfloat16 layer norm's, channels_last convolution strides); the
+    CPU kernel is the one eager runs, so its metadata is the only one a lazy buffer may take."""
+    error = None
+    for fill in (0, 1):  # zero is a valid index anywhere; one where zero divides an integer
+        try:
+            out = node.func(*_stand_ins(node.args, fill), **_stand_ins_kw(node.kwargs, fill))
+            break
+        except Exception as failed:  # noqa: BLE001 - any failure: not verifiable, run it eagerly
+            error = failed
+    else:
+        return f"output metadata unknown: its host kernel fails on stand-in inputs ({type(error).__name__})"
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
-        raise Unrecordable("returns a non-tensor")
+        return "returns a non-tensor"
     described = tuple((o.shape, o.stride(), o.dtype) for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
     return isinstance(out, (tuple, list)), described, [(shape, stride, 0, dtype) for shape, stride, dtype in described]
 
 
-def _to_meta(value):
+def _stand_ins(values, fill):
+    return [_stand_in(v, fill) for v in values]
+
+
+def _stand_ins_kw(kwargs: dict, fill) -> dict:
+    return {k: _stand_in(v, fill) for k, v in kwargs.items()}
+
+
+def _stand_in(value, fill):
+    """A tensor of the value's size, strides, offset and dtype, filled with `fill`; the same
+    nesting for lists."""
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        storage = torch.full((value.untyped_storage().nbytes() // value.element_size(),), fill, dtype=value.dtype)
+        return storage.as_strided(value.size(), value.stride(), value.storage_offset())
     if type(value) is list or type(value) is tuple:
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(_stand_in(v, fill) for v in value)
     return value
 
 

@@ -27,6 +27,8 @@ class RegionStats:
 
 class Stats:
     def __init__(self):
+        # Set by the runtime: name -> CacheSize of each engine cache (entries, limit, evictions).
+        self.cache_sizes = dict
         self.reset()
 
     def reset(self) -> None:
@@ -91,6 +93,7 @@ class Stats:
             "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
             "regions": {name: vars(r).copy() for name, r in self.regions.items()},
+            "caches": {name: size._asdict() for name, size in self.cache_sizes().items()},
         }
 
     def report(self) -> str:
@@ -106,6 +109,11 @@ class Stats:
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
         ]
+        caches = self.cache_sizes()
+        if caches:
+            lines.append("  engine caches (entries/limit, evicted): " + ", ".join(
+                f"{name} {size.entries}/{size.limit}" + (f" ({size.evictions})" if size.evictions else "")
+                for name, size in caches.items()))
         if self.guard_misses:
             lines.append("  guard misses: " + ", ".join(f"{r} x{n}" for r, n in self.guard_misses.most_common()))
         if self.fallbacks:

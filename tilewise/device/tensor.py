@@ -82,6 +82,9 @@ class NeuronTensor(torch.Tensor):
                             "Move it first: param.data = value.to('neuron')")
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
+        # The buffer may still be pending in a lazy segment, which learns whether anyone holds it
+        # from a token that lives with the buffer; this tensor holds it now, so it holds the token.
+        self._holder = getattr(new, "_holder", None)
 
     def __reduce_ex__(self, protocol):
         # Saved as its host data plus a rebuild call, so checkpoints load without a device build.

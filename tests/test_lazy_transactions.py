@@ -1,0 +1,179 @@
+"""A flush is a transaction: whatever stops it, no value a program holds exposes unwritten memory.
+
+Each test injects an exception at one step of a flush (an eager node's replay, or a compiled
+region's run) and then reads every tensor the program holds: each equals what CPU computes.
+"""
+import pytest
+import torch
+
+import tilewise
+from tilewise.adaptive import runtime as runtime_module
+from tilewise.adaptive.regions import CompiledEntry
+
+
+def _program(x):
+    a = x * 2
+    b = a + 1
+    c = b * 3
+    d = c.exp()
+    return [a, b, c, d]
+
+
+class _Injected(BaseException):
+    """Stands for KeyboardInterrupt without tripping pytest's own handling of it."""
+
+
+def _inject_at(monkeypatch, target, name, call_number, error):
+    original = getattr(target, name)
+    calls = [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call_number:
+            raise error
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, failing)
+    return calls
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), _Injected(), SystemExit(3)],
+                         ids=["KeyboardInterrupt", "BaseException", "SystemExit"])
+@pytest.mark.parametrize("at", range(1, 5))
+def test_an_interrupt_at_any_node_of_an_eager_flush_leaves_the_rest_pending_not_garbage(monkeypatch, at, error):
+    x_cpu = torch.randn(5)
+    expected = _program(x_cpu)
+    with tilewise.engine(mode="adaptive"):
+        held = _program(x_cpu.to("neuron"))
+        calls = _inject_at(monkeypatch, runtime_module, "_replay", at, error)
+        with pytest.raises(type(error)):
+            held[-1].sum().item()
+        monkeypatch.undo()
+        assert calls[0] == at
+        values = [t.cpu() for t in held]
+    for value, want in zip(values, expected):
+        torch.testing.assert_close(value, want)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_an_interrupt_before_a_compiled_region_runs_keeps_its_work_pending(monkeypatch, mode):
+    x_cpu = torch.randn(5)
+    expected = _program(x_cpu)
+    with tilewise.engine(mode=mode, threshold=1):
+        x = x_cpu.to("neuron")
+        for _ in range(2):  # compile the region, then hit it
+            [t.cpu() for t in _program(x)]
+        held = _program(x)
+        _inject_at(monkeypatch, CompiledEntry, "run", 1, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            held[0].cpu()
+        monkeypatch.undo()
+        values = [t.cpu() for t in held]
+    assert tilewise.stats().compiles >= 1 and tilewise.stats().ops_compiled > 0
+    for value, want in zip(values, expected):
+        torch.testing.assert_close(value, want)
+
+
+def test_an_op_that_fails_at_flush_raises_and_every_other_value_is_computed():
+    weights = torch.randn(4, 3)
+    with tilewise.engine(mode="adaptive"):
+        w = weights.to("neuron")
+        before = w * 2
+        bad = torch.nn.functional.embedding(torch.tensor([7]).to("neuron"), w)  # index out of range
+        after = w + 1
+        with pytest.raises(IndexError):
+            bad.cpu()
+        torch.testing.assert_close(before.cpu(), weights * 2)
+        torch.testing.assert_close(after.cpu(), weights + 1)
+        assert torch.isnan(bad.cpu()).all()  # filled, never unwritten memory
+        torch.testing.assert_close((w * 3).cpu(), weights * 3)  # the engine goes on
+
+
+def test_ctrl_c_during_a_flush_arrives_after_it_with_every_value_computed():
+    import os
+    import signal
+
+    x_cpu = torch.randn(5)
+    expected = _program(x_cpu)
+    original = runtime_module._replay
+    sent = []
+
+    def replay_and_signal(node):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, in the middle of the flush
+        return original(node)
+
+    with tilewise.engine(mode="eager"):
+        pass
+    with tilewise.engine(mode="adaptive"):
+        held = _program(x_cpu.to("neuron"))
+        runtime_module._replay = replay_and_signal
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                held[-1].sum().item()
+        finally:
+            runtime_module._replay = original
+        values = [t.cpu() for t in held]
+    assert sent
+    for value, want in zip(values, expected):
+        torch.testing.assert_close(value, want)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_data_assignment_of_a_lazy_value_is_computed_when_the_region_compiles(mode):
+    t = torch.ones(3).to("neuron")
+    with tilewise.engine(mode=mode):
+        for step in range(6):
+            t.data = t * 2
+            tilewise.sync()
+            torch.testing.assert_close(t.cpu(), torch.full((3,), 2.0 ** (step + 1)))
+    assert tilewise.stats().compiles >= 1 and tilewise.stats().ops_compiled >= 3
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_manual_sgd_through_data_equals_cpu(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    device_model = torch.nn.Linear(4, 2).to("neuron")
+    device_model.load_state_dict({k: v.to("neuron") for k, v in model.state_dict().items()})
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    losses = []
+    for m, dev in ((model, "cpu"), (device_model, "neuron")):
+        run = []
+        with tilewise.engine(mode=mode):
+            for _ in range(6):
+                loss = torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev))
+                loss.backward()
+                for p in m.parameters():
+                    p.data = p.data - 0.1 * p.grad
+                    p.grad = None
+                tilewise.sync()
+                run.append(loss.item())
+        losses.append(run)
+    torch.testing.assert_close(losses[1], losses[0])
+    assert tilewise.stats().compiles >= 1
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_swap_tensors_with_a_lazy_value_keeps_it(mode):
+    with tilewise.engine(mode=mode, threshold=1):
+        for _ in range(3):
+            a = torch.zeros(3).to("neuron")
+            b = torch.ones(3).to("neuron") * 5
+            torch.utils.swap_tensors(a, b)
+            del b
+            tilewise.sync()
+            torch.testing.assert_close(a.cpu(), torch.full((3,), 5.0))
+
+
+def test_a_changing_float_keeps_every_engine_cache_bounded():
+    with tilewise.config.patch(signature_cache_size=64):
+        tilewise.reset_caches()
+        x = torch.randn(4).to("neuron")
+        with tilewise.engine(mode="adaptive"):
+            for step in range(300):
+                (x * (1.0 + step * 1e-4)).sum().item()
+        sizes = tilewise.stats().to_dict()["caches"]
+    assert all(size["entries"] <= size["limit"] for size in sizes.values()), sizes
+    assert sizes["meta_cache"]["evictions"] > 0
