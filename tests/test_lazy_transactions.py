@@ -177,3 +177,40 @@ def test_a_changing_float_keeps_every_engine_cache_bounded():
         sizes = tilewise.stats().to_dict()["caches"]
     assert all(size["entries"] <= size["limit"] for size in sizes.values()), sizes
     assert sizes["meta_cache"]["evictions"] > 0
+
+
+def test_an_engine_object_can_be_entered_again_and_nested():
+    block = tilewise.engine(mode="adaptive", threshold=1)
+    x_cpu = torch.randn(4)
+    for _ in range(2):
+        with block:
+            torch.testing.assert_close((x_cpu.to("neuron") * 2).cpu(), x_cpu * 2)
+    with block:
+        with block:
+            y = x_cpu.to("neuron") + 1
+        torch.testing.assert_close(y.cpu(), x_cpu + 1)
+    assert "adaptive" in repr(block)
+
+
+def test_ctrl_c_during_the_first_compile_leaves_later_compiles_working(monkeypatch):
+    import os
+    import signal
+
+    from tilewise import compiler
+
+    original = compiler.compile_graph
+
+    def compile_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the compiler (and its imports) run
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile_graph", compile_interrupted)
+    x_cpu = torch.randn(8, 4)
+    with tilewise.engine(mode="compiled"):
+        x = x_cpu.to("neuron")
+        with pytest.raises(KeyboardInterrupt):
+            (x.tanh() * 2).sum().item()
+        monkeypatch.undo()
+        torch.testing.assert_close((x.sigmoid() + 1).cpu(), x_cpu.sigmoid() + 1)
+        torch.testing.assert_close((x.tanh() * 2).sum().cpu(), (x_cpu.tanh() * 2).sum())
+    assert tilewise.stats().compiles >= 2

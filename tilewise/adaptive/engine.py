@@ -1,8 +1,6 @@
 """`tilewise.engine()`, `sync()`, `stats()`, `explain()`, `reset_caches()`: the public surface."""
 from __future__ import annotations
 
-import contextlib
-
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import ConfigError
@@ -14,29 +12,48 @@ from .tracer import Tracer
 RUNTIME = Runtime()
 
 
-@contextlib.contextmanager
-def engine(mode: str | None = None, threshold: int | None = None):
-    """Run the block on the adaptive engine.
+class engine:
+    """Run the block on the adaptive engine: `with tilewise.engine(): ...`.
 
     mode: "eager", "adaptive" or "compiled"; default TILEWISE_MODE, else "adaptive".
     threshold: flushes a region must be seen in before it is compiled; default TILEWISE_THRESHOLD.
-    Engines nest: the inner mode holds inside the inner block.
+    Engines nest: the inner mode holds inside the inner block. Like `torch.no_grad()`, one engine
+    object may be entered again, after its block or inside it.
     """
-    mode = config.validate("mode", mode) if mode is not None else config.mode
-    threshold = config.validate("threshold", threshold) if threshold is not None else config.threshold
-    DEVICE.refresh_from_config()
-    runtime = RUNTIME
-    runtime.flush("engine entered")
-    saved = (runtime.mode, runtime.threshold, runtime.max_segment_ops)
-    runtime.mode, runtime.threshold, runtime.max_segment_ops = mode, threshold, config.max_segment_ops
-    try:
-        with Tracer(runtime, mode):
+
+    def __init__(self, mode: str | None = None, threshold: int | None = None):
+        self.mode = config.validate("mode", mode) if mode is not None else config.mode
+        self.threshold = config.validate("threshold", threshold) if threshold is not None else config.threshold
+        self._entered: list = []  # per entry: (runtime settings to restore, the tracer pushed)
+
+    def __enter__(self) -> Stats:
+        DEVICE.refresh_from_config()
+        runtime = RUNTIME
+        runtime.flush("engine entered")
+        saved = (runtime.mode, runtime.threshold, runtime.max_segment_ops)
+        tracer = Tracer(runtime, self.mode)
+        runtime.mode, runtime.threshold, runtime.max_segment_ops = self.mode, self.threshold, config.max_segment_ops
+        try:
+            tracer.__enter__()
+        except BaseException:
+            runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
+            raise
+        self._entered.append((saved, tracer))
+        return runtime.stats
+
+    def __exit__(self, *exc_info) -> None:
+        saved, tracer = self._entered.pop()
+        runtime = RUNTIME
+        try:
+            runtime.flush("engine exited")
+        finally:
             try:
-                yield runtime.stats
+                tracer.__exit__(*exc_info)
             finally:
-                runtime.flush("engine exited")
-    finally:
-        runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
+                runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
+
+    def __repr__(self) -> str:
+        return f"tilewise.engine(mode={self.mode!r}, threshold={self.threshold})"
 
 
 def sync() -> None:
