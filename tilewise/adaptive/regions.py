@@ -28,7 +28,18 @@ class Region:
     inputs: list[tuple[int, int]]          # (node index, flat tensor position) of each region input
     outputs: list[tuple[int, int]]         # (node index, output index) of values that leave
     hidden: list[tuple[int, int]]          # values that must not be alive at a cache hit
+    # Input slots that view one storage the region writes (a weight and its transpose): such a
+    # storage enters the region once, whole, and its views are rebuilt inside (see `arguments`).
+    shared: tuple[tuple[int, ...], ...] = ()
     key: tuple = field(repr=False, default=())
+
+    def arguments(self, segment: Segment) -> list:
+        """The compiled region's arguments on this segment's buffers: the unshared inputs in
+        slot order, then each shared storage as one flat tensor."""
+        tensors = [segment.nodes[n].inputs[f] for n, f in self.inputs]
+        grouped = {slot for group in self.shared for slot in group}
+        return [t for slot, t in enumerate(tensors) if slot not in grouped] + \
+            [_whole_storage(tensors[group[0]]) for group in self.shared]
 
 
 def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]]) -> Region:
@@ -57,9 +68,32 @@ def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]])
     hidden = [(n, o) for n in members for o in range(len(segment.nodes[n].wrappers or ()))
               if not _exported(segment, (n, o), exported)]
     input_tensors = [segment.nodes[n].inputs[f] for n, f in inputs]
+    shared = _shared_written_storages(segment, members, input_tensors)
     key = (tuple(key_nodes), alias_signature(input_tensors),
-           tuple((position[n], o) for n, o in outputs))
-    return Region(members, inputs, outputs, hidden, key)
+           tuple((position[n], o) for n, o in outputs),
+           tuple((group, _storage_numel(input_tensors[group[0]])) for group in shared))
+    return Region(members, inputs, outputs, hidden, shared, key)
+
+
+def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
+    """Groups of input slots that share a storage some region node writes. The compiler traces
+    inputs as independent tensors, so a write through one would not be seen through the others;
+    passed as one storage, with the views taken inside, the region keeps eager's aliasing."""
+    by_storage: dict[int, list[int]] = {}
+    for slot, tensor in enumerate(tensors):
+        if isinstance(tensor, torch.Tensor):
+            by_storage.setdefault(tensor.untyped_storage()._cdata, []).append(slot)
+    written = set().union(*(storages(segment.nodes[n])[1] for n in members)) if members else set()
+    return tuple(tuple(slots) for storage, slots in by_storage.items() if len(slots) > 1 and storage in written)
+
+
+def _storage_numel(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
+
+
+def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat tensor over all of `tensor`'s storage, in its dtype."""
+    return tensor.new_empty(0).set_(tensor.untyped_storage(), 0, (_storage_numel(tensor),), (1,))
 
 
 def _strip_sources(local_tail: tuple) -> tuple:
@@ -82,18 +116,11 @@ def _exported(segment: Segment, value: tuple[int, int], outputs: set) -> bool:
     return root is None or root in outputs
 
 
-def writes_shared_input(segment: Segment, region: Region) -> bool:
-    """Whether two region inputs share memory that the region writes (x and a view of x taken
-    in an earlier segment, say). The compiler traces inputs as independent tensors, so a write
-    through one would not be seen through the other: such a region must run eagerly."""
-    counts: dict[int, int] = {}
-    for n, flat in region.inputs:
-        tensor = segment.nodes[n].inputs[flat]
-        if isinstance(tensor, torch.Tensor):
-            key = tensor.untyped_storage()._cdata
-            counts[key] = counts.get(key, 0) + 1
-    shared = {key for key, count in counts.items() if count > 1}
-    return bool(shared) and any(shared & storages(segment.nodes[n])[1] for n in region.nodes)
+def mixes_dtypes_on_shared_storage(segment: Segment, region: Region) -> bool:
+    """Whether views of one written storage come in different dtypes: one flat storage tensor
+    cannot stand for them, so such a region runs eagerly."""
+    return any(len({segment.nodes[region.inputs[slot][0]].inputs[region.inputs[slot][1]].dtype for slot in group}) > 1
+               for group in region.shared)
 
 
 def alias_signature(tensors: list[torch.Tensor]) -> tuple:
@@ -106,8 +133,17 @@ def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
     """The region as an FX graph of aten ops: placeholders are its inputs, outputs what leaves."""
     graph = torch.fx.Graph()
     by_id: dict[int, torch.fx.Node] = {}
+    grouped = {slot for group in region.shared for slot in group}
     for slot, (n, flat) in enumerate(region.inputs):
-        by_id[id(segment.nodes[n].inputs[flat])] = graph.placeholder(f"in{slot}")
+        if slot not in grouped:
+            by_id[id(segment.nodes[n].inputs[flat])] = graph.placeholder(f"in{slot}")
+    for index, group in enumerate(region.shared):
+        storage = graph.placeholder(f"storage{index}")
+        for slot in group:
+            tensor = segment.nodes[region.inputs[slot][0]].inputs[region.inputs[slot][1]]
+            by_id[id(tensor)] = graph.call_function(
+                torch.ops.aten.as_strided.default,
+                (storage, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
     values: dict[tuple[int, int], torch.fx.Node] = {}
     for n in region.nodes:
         node = segment.nodes[n]
@@ -166,8 +202,7 @@ class CompiledEntry:
         self.seconds = sum(cost[2] for cost in compiled.cost)
 
     def run(self, segment: Segment, region: Region) -> None:
-        inputs = [segment.nodes[n].inputs[f] for n, f in region.inputs]
-        results = self.compiled.run(*inputs)
+        results = self.compiled.run(*region.arguments(segment))
         for (n, o), value in zip(region.outputs, results):
             segment.nodes[n].outs[o].copy_(value)
         record = DEVICE.timeline.record

@@ -24,15 +24,15 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 from ..eager.executor import execute, run, run_host
 from ..eager.plan import is_random, plan_of
+from ..errors import TilewiseError
 from . import analysis, interrupts
 from .caches import BoundedCache, CacheSize
-from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, writes_shared_input
-from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable
+from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage
+from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, without_floats
 from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
-_FLOAT = ("float",)
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 # Eager for a reason that is no fallback: data crossing between host and device.
 _TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
@@ -210,7 +210,7 @@ class Runtime:
         key = (locals_, alias)
         cache, steps = self.plans, self.plans.get(key)
         if steps is None:
-            key = (tuple(_without_floats(n.local) if n.floats else n.local for n in segment.nodes), alias)
+            key = (tuple(without_floats(n.local) if n.floats else n.local for n in segment.nodes), alias)
             cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
         if steps is not None:
             missed = self._guard_miss(segment, steps)
@@ -289,6 +289,8 @@ class Runtime:
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
         shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
+        if node.kind == VIEW:
+            return  # taken at record time, on the real buffers: nothing runs eagerly
         if dynamic:
             self.stats.fallback(node.plan.name, "dynamic: its input shapes or constants change", source=False)
         else:
@@ -302,10 +304,10 @@ class Runtime:
             self.regions.touch(region.key)
             return entry
         self.stats.cache_misses += 1
-        if writes_shared_input(segment, region):
+        if mixes_dtypes_on_shared_storage(segment, region):
             self.regions.put(region.key, _FAILED)
-            self.stats.fallback("<region>", "writes memory that two of its inputs share", len(region.nodes),
-                                source=False)
+            self.stats.fallback("<region>", "writes a storage its inputs view in different dtypes",
+                                len(region.nodes), source=False)
             return None
         if self.mode == "compiled":
             site = tuple(segment.nodes[n].func for n in region.nodes)
@@ -325,7 +327,7 @@ class Runtime:
         started = time.perf_counter()
         try:
             gm = build_graph(segment, region)
-            inputs = [segment.nodes[n].inputs[f] for n, f in region.inputs]
+            inputs = region.arguments(segment)
             # The compiler traces with fake tensors and functionalization of its own; a flush may
             # run inside the tracer's dispatch of the op that caused it, whose thread-local dispatch
             # state breaks that tracing. A thread of its own starts from clean state.
@@ -402,8 +404,10 @@ class Runtime:
     def _run_step(self, segment: Segment, step) -> None:
         kind, what = step
         if kind == "node":
-            _replay(segment.nodes[what])
-            self.stats.ops_eager += 1
+            node = segment.nodes[what]
+            if node.kind != VIEW:  # a view was taken at record time: no op runs now
+                _replay(node)
+                self.stats.ops_eager += 1
             return
         region, entry = what
         entry.run(segment, region)
@@ -466,15 +470,6 @@ def _replay_event(segment: Segment, steps, dynamic: bool) -> dict:
     return event
 
 
-def _without_floats(value):
-    """The value with every float replaced by one marker: the structure of a segment's ops."""
-    if type(value) is float:
-        return _FLOAT
-    if type(value) is tuple:
-        return tuple(_without_floats(v) for v in value)
-    return value
-
-
 def _replay(node) -> None:
     if node.kind == VIEW:
         return  # taken on the real buffers at record time
@@ -482,6 +477,11 @@ def _replay(node) -> None:
     if node.kind == FUNCTIONAL:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for buffer, value in zip(node.outs, outs):
+            if buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
+                raise TilewiseError(
+                    f"{node.plan.name}: the engine gave its output {tuple(buffer.shape)} {buffer.dtype} strides "
+                    f"{buffer.stride()}, the CPU kernel made {tuple(value.shape)} {value.dtype} strides "
+                    f"{value.stride()}; please report this as a tilewise bug")
             buffer.copy_(value)
 
 

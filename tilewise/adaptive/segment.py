@@ -185,10 +185,14 @@ class Segment:
             node.roots = tuple(self._root_of(node) for _ in outs)
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
         node.kind = FUNCTIONAL
-        metas = meta_cache.get(node.local)
+        # A float's value decides no output's shape, strides or dtype (its type does), except
+        # where floats are sizes: one entry serves every value, so a changing float (a schedule, a
+        # step counter) makes no new signature each step. `_replay` holds the real result to it.
+        signature = without_floats(node.local) if node.floats and not _sizes_from_floats(node) else node.local
+        metas = meta_cache.get(signature)
         if metas is None:
             metas = _host_outputs(node)
-            meta_cache.put(node.local, metas)
+            meta_cache.put(signature, metas)
         if type(metas) is str:
             raise Unrecordable(metas)
         returns_tuple, outputs, node.out_meta = metas
@@ -242,6 +246,24 @@ def _host_outputs(node: Node):
     described = tuple((o.shape, o.stride(), o.dtype) for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
     return isinstance(out, (tuple, list)), described, [(shape, stride, 0, dtype) for shape, stride, dtype in described]
+
+
+_FLOAT = ("float",)
+
+
+def without_floats(value):
+    """The value with every float replaced by one marker: the structure of a node's signature."""
+    if type(value) is float:
+        return _FLOAT
+    if type(value) is tuple:
+        return tuple(without_floats(v) for v in value)
+    return value
+
+
+def _sizes_from_floats(node: Node) -> bool:
+    """Ops whose output size a float can set: factories (arange(0, 1.5, 0.5)) and resampling by a
+    scale factor."""
+    return not node.inputs or "upsample" in node.plan.name or "interpolate" in node.plan.name
 
 
 def _stand_ins(values, fill):
