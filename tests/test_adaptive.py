@@ -255,7 +255,7 @@ def test_cpu_scalar_tensor_is_a_region_input_not_a_constant():
     assert tilewise.stats().compiles == 1, tilewise.stats().report()
 
 
-def test_changing_float_constants_replay_the_plan_without_reanalysis():
+def test_a_changing_float_becomes_a_region_input_and_compiles_once():
     x = torch.randn(32, 32).to("neuron")
 
     def after(step):
@@ -266,6 +266,25 @@ def test_changing_float_constants_replay_the_plan_without_reanalysis():
         for step in range(1, 10):
             y = (x * 2).relu() * (1.0 / step)  # the last op's constant changes every step
             expected = (x.cpu() * 2).relu() * (1.0 / step)
+            torch.testing.assert_close(y.cpu(), expected)
+            after(step)
+    stats = tilewise.stats()
+    assert stats.analyses == 0 and stats.ops_eager == 0 and stats.ops_compiled == 5 * 3, stats.report()
+    assert stats.compiles == 0 and stats.cache_hits == 5
+
+
+def test_changing_floats_an_op_cannot_take_as_tensors_replay_the_plan_without_reanalysis():
+    x = torch.randn(32, 32).to("neuron")
+
+    def after(step):
+        if step == 4:
+            tilewise.stats().reset()
+
+    with tilewise.engine(mode="adaptive", threshold=2):
+        for step in range(1, 10):
+            # leaky_relu takes its slope as a Scalar with no Tensor overload: it stays a constant
+            y = torch.nn.functional.leaky_relu(x * 2, 1.0 / step) + 1
+            expected = torch.nn.functional.leaky_relu(x.cpu() * 2, 1.0 / step) + 1
             torch.testing.assert_close(y.cpu(), expected)
             after(step)
     stats = tilewise.stats()

@@ -50,3 +50,86 @@ def test_reading_the_loss_before_backward_compiles_the_whole_step(mode, opt):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
     assert stats.compiled_fraction >= 0.95, stats.report()
     assert stats.ops_compiled > 0 and stats.cache_hits >= MEASURED
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+
+def _train_with_schedule(model, x, y, steps, device, foreach, reset_at=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    losses = []
+    for step in range(steps):
+        if step == reset_at:
+            tilewise.stats().reset()
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_learning_rate_schedule_compiles_once_its_rate_has_changed(mode, foreach):
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    cpu_model = _cnn()
+    device_model = copy.deepcopy(cpu_model).to("neuron")
+    expected = _train_with_schedule(cpu_model, x, y, 16, "cpu", foreach)
+    with tilewise.engine(mode=mode):
+        got = _train_with_schedule(device_model, x, y, 16, "neuron", foreach)
+    whole_run = tilewise.stats()
+    hit_regions = [r for r in whole_run.regions.values() if r.hits]
+    assert hit_regions and whole_run.compiles <= 2 * len(hit_regions) + 2, whole_run.report()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for p, q in zip(device_model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode):
+        _train_with_schedule(device_model, x, y, 8, "neuron", foreach)
+    measured = tilewise.stats()
+    assert measured.compiled_fraction >= 0.95 and measured.compiles == 0, measured.report()
+
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["tensor_arg", "scalar_overload", "alpha", "foreach_alpha", "pow", "lerp"])
+def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
+    def program(x, w, s):
+        if op == "tensor_arg":
+            return (x * s + 1,)
+        if op == "scalar_overload":
+            return (aten.add.Scalar(x, s) * 2,)
+        if op == "alpha":
+            return (torch.add(x, w, alpha=s).relu(),)
+        if op == "foreach_alpha":
+            return tuple(torch._foreach_add([x, w], [w, x], alpha=s))
+        if op == "pow":
+            return (x.abs().pow(s),)
+        return (torch.lerp(x, w, s),)
+
+    x_cpu, w_cpu = torch.randn(8, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype)
+    x, w = x_cpu.to("neuron"), w_cpu.to("neuron")
+    with tilewise.engine(mode="adaptive", threshold=2):
+        for step in range(8):
+            s = 0.5 + 0.25 * step
+            got = [t.cpu() for t in program(x, w, s)]
+            for value, want in zip(got, program(x_cpu, w_cpu, s)):
+                assert value.dtype == want.dtype
+                torch.testing.assert_close(value, want)
+    stats = tilewise.stats()
+    if "alpha" in op and dtype == torch.bfloat16:
+        # alpha as a multiplication of its own would round once more than CPU's fused kernel,
+        # which bfloat16 cannot absorb: it stays a constant, and the op eager while it changes
+        assert stats.compiles == 0, stats.report()
+        return
+    assert stats.compiles >= 1 and stats.cache_hits >= 3, stats.report()
+    assert stats.compiles <= 2, stats.report()

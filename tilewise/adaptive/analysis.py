@@ -38,7 +38,7 @@ def storages(node: Node) -> tuple[set[int], set[int]]:
     """The storages a recorded node reads and writes (keys of their host buffers)."""
     reads = {_key(t) for t in _tensors(node.args)} | {_key(t) for t in _tensors(node.kwargs.values())}
     if node.kind == FUNCTIONAL:
-        writes = {_key(t) for t in node.outs}
+        writes = {_key(t) for t in node.outs if t is not None}
         if node.plan.mutates:
             writes |= reads  # e.g. batch norm updating its running statistics
     elif node.kind == VIEW:

@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from ..device.runtime import DEVICE
+from . import scalars
 from .analysis import storages
 from .segment import FUNCTIONAL, Segment
 
@@ -35,11 +36,13 @@ class Region:
 
     def arguments(self, segment: Segment) -> list:
         """The compiled region's arguments on this segment's buffers: the unshared inputs in
-        slot order, then each shared storage as one flat tensor."""
+        slot order, each shared storage as one flat tensor, then this flush's lifted floats."""
         tensors = [segment.nodes[n].inputs[f] for n, f in self.inputs]
         grouped = {slot for group in self.shared for slot in group}
         return [t for slot, t in enumerate(tensors) if slot not in grouped] + \
-            [_whole_storage(tensors[group[0]]) for group in self.shared]
+            [_whole_storage(tensors[group[0]]) for group in self.shared] + \
+            [torch.tensor(value, dtype=torch.float64) for n in self.nodes if segment.nodes[n].lifts
+             for value in scalars.values_of(segment.nodes[n].args, segment.nodes[n].kwargs, segment.nodes[n].lifts)]
 
 
 def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]]) -> Region:
@@ -62,7 +65,7 @@ def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]])
                 slot = input_ids[id(tensor)] = len(inputs)
                 inputs.append((n, flat))
             sources.append(("in", slot))
-        key_nodes.append((node.local[0], _strip_sources(node.local[1:]), tuple(sources)))
+        key_nodes.append((node.sig[0], _strip_sources(node.sig[1:]), tuple(sources)))
     outputs = sorted(v for v in needed if v[0] in inside)
     exported = set(outputs)
     hidden = [(n, o) for n in members for o in range(len(segment.nodes[n].wrappers or ()))
@@ -144,6 +147,8 @@ def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
             by_id[id(tensor)] = graph.call_function(
                 torch.ops.aten.as_strided.default,
                 (storage, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+    lifted = {n: [graph.placeholder(f"scalar{n}_{i}") for i in range(len(segment.nodes[n].lifts))]
+              for n in region.nodes if segment.nodes[n].lifts}
     values: dict[tuple[int, int], torch.fx.Node] = {}
     for n in region.nodes:
         node = segment.nodes[n]
@@ -153,7 +158,11 @@ def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
             # nodes they trip functionalization, as identities they compute the same values.
             values[(n, 0)] = lookup(node.args[0])
             continue
-        call = graph.call_function(node.func, _map(node.args, lookup), _map_kw(node.kwargs, lookup))
+        if n in lifted:
+            call = scalars.lifted_call(graph, node.func, list(_map(node.args, lookup)), _map_kw(node.kwargs, lookup),
+                                       node.lifts, lifted[n])
+        else:
+            call = graph.call_function(node.func, _map(node.args, lookup), _map_kw(node.kwargs, lookup))
         outs = node.outs or ()
         if len(outs) == 1 and not isinstance(node.func._schema.returns[0].type, torch.ListType) \
                 and len(node.func._schema.returns) == 1:

@@ -67,6 +67,7 @@ class Runtime:
 
         self.meta_cache = BoundedCache(signatures)   # node.local -> output metadata (or why none)
         self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
+        self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
         self.plans = BoundedCache(regions)
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
@@ -78,7 +79,7 @@ class Runtime:
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "plans", "dynamic_plans", "regions", "sites", "skeletons")}
+                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "skeletons")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -106,7 +107,7 @@ class Runtime:
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
-                    result = self.segment.record(func, args, kwargs, self.meta_cache)
+                    result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
                 except Unrecordable as why:
                     reason = why.reason
                 else:
@@ -203,14 +204,14 @@ class Runtime:
 
     def _steps_for(self, segment: Segment) -> list:
         """The segment's plan: cached (guards checked) or made now."""
-        locals_ = tuple(n.local for n in segment.nodes)
+        locals_ = tuple(n.sig for n in segment.nodes)
         # Which external each node reads: `local` says only what its inputs look like, so
         # sub(x1, x1) and sub(x0, x1) on equal-looking inputs would share a plan.
         alias = (alias_signature(segment.externals), tuple(tuple(n.ext) for n in segment.nodes))
         key = (locals_, alias)
         cache, steps = self.plans, self.plans.get(key)
         if steps is None:
-            key = (tuple(without_floats(n.local) if n.floats else n.local for n in segment.nodes), alias)
+            key = (tuple(without_floats(n.sig) if n.floats else n.sig for n in segment.nodes), alias)
             cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
         if steps is not None:
             missed = self._guard_miss(segment, steps)
@@ -436,7 +437,8 @@ def _fill_failed(node) -> None:
     if node.kind != FUNCTIONAL:
         return  # a failed in-place op leaves its input as it was, as eagerly
     for buffer in node.outs:
-        buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
+        if buffer is not None:
+            buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
 
 
 def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
@@ -448,7 +450,7 @@ def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -
               "why_eager": None if i in region_of else
               ("dynamic: input shapes or constants change" if dynamic and i not in stable else
                "warming up" if i not in stable else "region not compiled"),
-              "shapes": [list(o.shape) for o in (n.outs or ())]}
+              "shapes": [list(o.shape) for o in (n.outs or ()) if o is not None]}
              for i, n in enumerate(segment.nodes)]
     return {"kind": "segment", "host_time": time.perf_counter(), "nodes": nodes,
             "edges": [list(edge) for edge in graph.edges]}
@@ -477,12 +479,17 @@ def _replay(node) -> None:
     if node.kind == FUNCTIONAL:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for buffer, value in zip(node.outs, outs):
-            if buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
+            if buffer is None and value is None:
+                continue  # an output the op was asked not to compute (convolution_backward's mask)
+            if buffer is None or value is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
                 raise TilewiseError(
-                    f"{node.plan.name}: the engine gave its output {tuple(buffer.shape)} {buffer.dtype} strides "
-                    f"{buffer.stride()}, the CPU kernel made {tuple(value.shape)} {value.dtype} strides "
-                    f"{value.stride()}; please report this as a tilewise bug")
+                    f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
+                    f"{_layout(value)}; please report this as a tilewise bug")
             buffer.copy_(value)
+
+
+def _layout(tensor) -> str:
+    return "None" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}"
 
 
 def _needed_values(segment: Segment, graph, members: list[list[int]]) -> set:

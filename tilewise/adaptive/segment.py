@@ -19,6 +19,7 @@ import torch
 from ..device.tensor import NeuronTensor, names_neuron, wrap
 from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
+from . import scalars
 
 EXTERNAL = ("x",)
 VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
@@ -39,6 +40,10 @@ class _Holder:
     __slots__ = ("__weakref__",)
 
 
+def _NOTHING():
+    return None  # the "weak reference" of an output that is None: never alive
+
+
 def _held(wrapped: NeuronTensor) -> weakref.ref:
     holder = wrapped._holder = _Holder()
     return weakref.ref(holder)
@@ -46,7 +51,7 @@ def _held(wrapped: NeuronTensor) -> weakref.ref:
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs", "floats", "out_meta")
+                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
@@ -75,17 +80,17 @@ class Segment:
         return id(host_tensor) in self._values or \
             host_tensor.untyped_storage()._cdata in self.written_storages
 
-    def record(self, func, args, kwargs, meta_cache):
+    def record(self, func, args, kwargs, meta_cache, scalar_sites):
         externals_before = len(self.externals)
         try:
-            return self._record(func, args, kwargs, meta_cache)
+            return self._record(func, args, kwargs, meta_cache, scalar_sites)
         except Unrecordable:
             for dropped in self.externals[externals_before:]:  # keep the segment as it was
                 del self._external_ids[id(dropped)]
             del self.externals[externals_before:]
             raise
 
-    def _record(self, func, args, kwargs, meta_cache):
+    def _record(self, func, args, kwargs, meta_cache, scalar_sites):
         plan = plan_of(func)
         node = Node()
         node.func, node.plan = func, plan
@@ -106,7 +111,14 @@ class Segment:
             node.kwargs["device"] = torch.device("cpu")
         node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
             (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
-        node.fp = hash((node.local, tuple(producer_fps)))
+        # `sig`: what must match for a region to serve this node again: `local`, or without its
+        # floats once they have changed and become region inputs (`lifts`, adaptive/scalars.py)
+        node.sig, node.lifts = node.local, None
+        if node.floats:
+            # the site: this op at this place of the segment, on these external inputs (two calls
+            # alike but for their floats, such as AdamW's two _foreach_mul_, are two sites)
+            _generalise_floats(node, (len(self.nodes), tuple(node.ext), without_floats(node.local)), scalar_sites)
+        node.fp = hash((node.sig, tuple(producer_fps)))
         result = self._outputs(node, plan, args, kwargs, meta_cache)
         index = len(self.nodes)
         self.nodes.append(node)
@@ -114,7 +126,8 @@ class Segment:
             self.written_storages.update(t.untyped_storage()._cdata for t in node.inputs
                                          if isinstance(t, torch.Tensor))
         for out_index, out in enumerate(node.outs or ()):
-            self._values[id(out)] = (index, out_index, node.fp, node.out_meta[out_index])
+            if out is not None:
+                self._values[id(out)] = (index, out_index, node.fp, node.out_meta[out_index])
         return result
 
     # -- inputs --------------------------------------------------------------------------------
@@ -203,9 +216,9 @@ class Segment:
             wrapped = wrap(buffer)
             node.wrappers = (_held(wrapped),)
             return wrapped
-        node.outs = tuple(torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in outputs)
-        wrapped = [wrap(b) for b in node.outs]
-        node.wrappers = tuple(_held(w) for w in wrapped)
+        node.outs = tuple(None if out is None else torch.empty_strided(*out[:2], dtype=out[2]) for out in outputs)
+        wrapped = [None if b is None else wrap(b) for b in node.outs]
+        node.wrappers = tuple(_NOTHING if w is None else _held(w) for w in wrapped)
         return tuple(wrapped)
 
     def _root_of(self, node: Node):
@@ -241,11 +254,13 @@ def _host_outputs(node: Node):
     else:
         return f"output metadata unknown: its host kernel fails on stand-in inputs ({type(error).__name__})"
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+    # None: an output the op was asked not to compute (convolution_backward's output_mask)
+    if not outs or not all(isinstance(o, torch.Tensor) or o is None and type(out) is tuple for o in outs):
         return "returns a non-tensor"
-    described = tuple((o.shape, o.stride(), o.dtype) for o in outs)
+    described = tuple(None if o is None else (o.shape, o.stride(), o.dtype) for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
-    return isinstance(out, (tuple, list)), described, [(shape, stride, 0, dtype) for shape, stride, dtype in described]
+    return isinstance(out, (tuple, list)), described, \
+        [None if d is None else (d[0], d[1], 0, d[2]) for d in described]
 
 
 _FLOAT = ("float",)
@@ -258,6 +273,25 @@ def without_floats(value):
     if type(value) is tuple:
         return tuple(without_floats(v) for v in value)
     return value
+
+
+_CHANGED = "changed"
+
+
+def _generalise_floats(node: Node, site: tuple, sites) -> None:
+    """Static first: the first value of a site's floats is a constant; once another comes, the
+    floats are region inputs from then on, where the op takes them as tensors."""
+    seen = sites.get(site)
+    if seen is None:
+        sites.put(site, node.local)
+        return
+    if seen is not _CHANGED:
+        if seen == node.local:
+            return
+        sites.put(site, _CHANGED)
+    node.lifts = scalars.lifts_of(node.func, node.args, node.kwargs, node.inputs)
+    if node.lifts is not None:
+        node.sig = site[2]
 
 
 def _sizes_from_floats(node: Node) -> bool:

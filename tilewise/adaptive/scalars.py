@@ -1,0 +1,127 @@
+"""Python floats that change from flush to flush become inputs of compiled regions.
+
+Static first, generalise on change (Dynamo's "automatic dynamic"): a node's floats are constants of
+any region compiled from it until the same op, at the same place of a segment, comes with another
+value (a learning-rate schedule's `alpha=-lr`, a loss scale, a step counter). From then on its
+floats are left out of its fingerprint and enter the region as 0-dim float64 CPU tensors, so one
+compiled region serves every value. How a float becomes a tensor depends on where the schema takes
+it (`Lift`); an op whose floats none of these fit keeps them as constants and runs eagerly while
+they change.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+
+aten = torch.ops.aten
+
+
+class How(enum.Enum):
+    TENSOR_ARG = "a Tensor argument given a number: the same number as a 0-dim tensor"
+    TENSOR_OVERLOAD = "a Scalar argument of an overload with a Tensor twin: the twin, given a tensor"
+    SCALE_OTHER = "alpha of add/sub: the other operand multiplied by it"
+
+
+class Lift(NamedTuple):
+    position: int | str       # index into args, or the keyword's name
+    how: How
+
+
+# Ops whose `alpha` scales their second operand (add(x, y, alpha) == x + alpha * y), with the op
+# that does the multiplication.
+_SCALED_BY_ALPHA = {name: mul for names, mul in (
+    (("add", "add_", "sub", "sub_"), aten.mul.Tensor),
+    (("_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_"), aten._foreach_mul.Tensor),
+) for name in names}
+_TWINS = {"Scalar": "Tensor", "Tensor_Scalar": "Tensor_Tensor"}
+
+
+def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
+    """How each float argument of the op enters a region as a tensor; None where one cannot, or
+    where a tensor would change the result's dtype (numbers promote integer tensors to float,
+    a float64 tensor would promote them to float64)."""
+    if not inputs or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
+        return None
+    schema_args = func._schema.arguments
+    by_name = {a.name: a for a in schema_args}
+    found = [(i, schema_args[i]) for i, v in enumerate(args) if type(v) is float and i < len(schema_args)]
+    found += [(k, by_name.get(k)) for k, v in kwargs.items() if type(v) is float]
+    if not found:
+        return None
+    twin = twin_of(func)
+    lifts = []
+    for position, argument in found:
+        how = _how(func, argument, twin)
+        if how is None or how is How.SCALE_OTHER and not _wide(inputs):
+            return None
+        lifts.append(Lift(position, how))
+    return tuple(lifts)
+
+
+def _wide(inputs) -> bool:
+    """Whether alpha may be applied as a multiplication of its own: in float32 the product rounds
+    once more than CPU's fused `x + alpha * y` (within float32 tolerance); in bfloat16 or float16
+    that extra rounding is the size of the result's own precision, so those keep alpha constant."""
+    return all(t.dtype in (torch.float32, torch.float64) for t in inputs)
+
+
+def _how(func, argument, twin) -> How | None:
+    if argument is None:
+        return None
+    if isinstance(argument.type, torch.TensorType):
+        return How.TENSOR_ARG
+    if argument.name == "alpha" and func._overloadpacket.__name__ in _SCALED_BY_ALPHA:
+        return How.SCALE_OTHER
+    index = func._schema.arguments.index(argument)
+    if twin is not None and isinstance(twin._schema.arguments[index].type, torch.TensorType):
+        return How.TENSOR_OVERLOAD
+    return None
+
+
+def twin_of(func):
+    """add.Scalar -> add.Tensor, pow.Tensor_Scalar -> pow.Tensor_Tensor, _foreach_mul_.Scalar ->
+    _foreach_mul_.Tensor: the overload taking the same arguments, a Tensor where this one takes a
+    Scalar."""
+    name = _TWINS.get(func._overloadname)
+    twin = getattr(func._overloadpacket, name, None) if name else None
+    if twin is None or len(twin._schema.arguments) != len(func._schema.arguments):
+        return None
+    for mine, theirs in zip(func._schema.arguments, twin._schema.arguments):
+        if mine.name != theirs.name and not isinstance(theirs.type, torch.TensorType):
+            return None
+    return twin
+
+
+def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], scalars: list):
+    """Add the op to an FX graph with its lifted floats taken from `scalars` (placeholders, one
+    per lift, in order)."""
+    for lift, scalar in zip(lifts, scalars):
+        if lift.how is How.SCALE_OTHER:
+            _pop(args, kwargs, lift.position)
+            other = graph.call_function(_SCALED_BY_ALPHA[func._overloadpacket.__name__], (args[1], scalar))
+            args[1] = other
+        else:
+            _put(args, kwargs, lift.position, scalar)
+    if any(lift.how is How.TENSOR_OVERLOAD for lift in lifts):
+        func = twin_of(func)
+    return graph.call_function(func, tuple(args), kwargs)
+
+
+def values_of(args, kwargs, lifts: tuple[Lift, ...]) -> list[float]:
+    return [args[lift.position] if isinstance(lift.position, int) else kwargs[lift.position] for lift in lifts]
+
+
+def _pop(args: list, kwargs: dict, position) -> None:
+    if isinstance(position, int):
+        args[position] = 1  # alpha given positionally: the scaled operand carries it now
+    else:
+        del kwargs[position]
+
+
+def _put(args: list, kwargs: dict, position, value) -> None:
+    if isinstance(position, int):
+        args[position] = value
+    else:
+        kwargs[position] = value
