@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import tilewise
+from tilewise.adaptive.engine import RUNTIME
+from tilewise.adaptive.regions import CompiledEntry
 from tilewise.workloads import WORKLOADS, train_seq
 
 MODES = ["eager", "adaptive", "compiled"]
@@ -46,17 +48,20 @@ def test_fixed_shapes_compile_everything_after_warmup(name):
 
     def after(step):
         compiles_at[step] = tilewise.stats().compiles
-        if step == threshold + 2:  # warmed up: steady state from here on
+        if step == threshold + 3:  # warmed up: steady state from here on
             tilewise.stats().reset()
 
-    WORKLOADS[name]("neuron", "adaptive", steps=threshold + 12, on_step=after)
+    WORKLOADS[name]("neuron", "adaptive", steps=threshold + 13, on_step=after)
     stats = tilewise.stats()
     assert stats.cache_misses == 0 and not stats.guard_misses, stats.report()
     assert stats.compiled_fraction >= 0.99, stats.report()
     assert stats.compiles == 0 and stats.cache_hits >= 10
     assert stats.analyses == 0, "steady-state segments should replay their cached plan"
-    # nothing compiles before the region has been seen `threshold` times
-    assert compiles_at[threshold - 1] == 0 < compiles_at[threshold], compiles_at
+    # nothing compiles before its ops have been seen `threshold` times and the region recurred;
+    # a region formed while the step was still settling does not recur, and is never compiled
+    assert compiles_at[threshold - 1] == 0 < compiles_at[threshold + 1], compiles_at
+    compiled = [e for e in RUNTIME.regions.values() if isinstance(e, CompiledEntry)]
+    assert compiled and all(e.runs > 1 for e in compiled), [(e.name, e.runs) for e in compiled]
 
 
 def _last_step(name, mode):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import ConfigError
+from .policy import Mode
 from .regions import CompiledEntry
 from .runtime import Runtime
 from .stats import Stats
@@ -22,7 +23,7 @@ class engine:
     """
 
     def __init__(self, mode: str | None = None, threshold: int | None = None):
-        self.mode = config.validate("mode", mode) if mode is not None else config.mode
+        self.mode = Mode(config.validate("mode", mode) if mode is not None else config.mode)
         self.threshold = config.validate("threshold", threshold) if threshold is not None else config.threshold
         self._entered: list = []  # per entry: (runtime settings to restore, the tracer pushed)
 
@@ -53,7 +54,7 @@ class engine:
                 runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
 
     def __repr__(self) -> str:
-        return f"tilewise.engine(mode={self.mode!r}, threshold={self.threshold})"
+        return f"tilewise.engine(mode={self.mode.value!r}, threshold={self.threshold})"
 
 
 def sync() -> None:

@@ -28,14 +28,13 @@ from ..errors import TilewiseError
 from . import analysis, interrupts
 from .caches import BoundedCache, CacheSize
 from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage
+from .policy import Mode, Reason, Verdict, Why, on_region_miss, stable_after
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, without_floats
 from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
-# Eager for a reason that is no fallback: data crossing between host and device.
-_TRANSFERS = frozenset({"reads device data on the host", "copy to host", "host tensor argument"})
 
 
 class Runtime:
@@ -43,7 +42,7 @@ class Runtime:
         self.lock = threading.RLock()
         self.segment = Segment()
         self.stats = Stats()
-        self.mode = "adaptive"
+        self.mode = Mode.ADAPTIVE
         self.threshold = 3
         self.max_segment_ops = config.max_segment_ops
         self._flushing = False
@@ -73,13 +72,15 @@ class Runtime:
         self.dynamic_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
         self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
+        self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons = BoundedCache(signatures)
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "skeletons")}
+                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "sightings",
+                 "skeletons")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -103,7 +104,7 @@ class Runtime:
             if info is None:
                 info = self._op_info[func] = (_eager_reason(func), is_random(func))
             reason = info[0] or _host_device(kwargs)
-            if reason is None and info[1]:
+            if reason is None and info[1] and _draws(func, args):
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
@@ -117,18 +118,18 @@ class Runtime:
                     if len(self.segment) >= self.max_segment_ops:
                         self.flush("segment size bound")
                     return result
-            self.flush(reason)
-            if reason in _TRANSFERS:
+            self.flush(str(reason))
+            if reason.why.is_transfer:
                 self.stats.transfers += 1
             else:
                 self.stats.ops_eager += 1
-                self.stats.fallback(plan_of(func).name, reason)
+                self.stats.fallback(plan_of(func).name, str(reason))
             started = time.perf_counter()
             try:
                 return execute(func, args, kwargs)
             finally:
                 DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
-                                     reason=reason)
+                                     reason=str(reason))
 
     def _random(self, func, args, kwargs):
         """Random ops draw now, in eager's order; what they read must be computed already."""
@@ -137,7 +138,7 @@ class Runtime:
         if func is aten.native_dropout.default and pending and _is_training_dropout(args):
             return self._dropout(*args[:2])
         if pending or plan.mutates:
-            self.flush("random op reads pending data")
+            self.flush(Why.RANDOM.value)
         self.stats.random_draws += 1
         return run(func, args, kwargs)
 
@@ -252,8 +253,8 @@ class Runtime:
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
             self.seen.count(fp)
-        compiling = self.mode != "eager"
-        threshold = 1 if self.mode == "compiled" else self.threshold
+        compiling = self.mode is not Mode.EAGER
+        threshold = stable_after(self.mode, self.threshold)
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
@@ -264,6 +265,7 @@ class Runtime:
         skeleton = tuple(n.func for n in nodes)
         dynamic = self.skeletons.count(skeleton) > threshold
         steps, final, compiled_all = [], len(stable) == len(nodes), True
+        settling = not dynamic and not final
         for kind, what in order:
             if kind == "node":
                 steps.append(("node", what))
@@ -271,7 +273,7 @@ class Runtime:
                     self._count_dynamic(nodes[what], dynamic)
                 continue
             region = describe(segment, members[what], needed)
-            entry = self._entry(segment, region)
+            entry = self._entry(segment, region, settling)
             if entry is None:
                 final = compiled_all = False
                 steps.extend(("node", i) for i in region.nodes)
@@ -293,33 +295,40 @@ class Runtime:
         if node.kind == VIEW:
             return  # taken at record time, on the real buffers: nothing runs eagerly
         if dynamic:
-            self.stats.fallback(node.plan.name, "dynamic: its input shapes or constants change", source=False)
+            self.stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
         else:
             self.stats.warmup_ops += 1
 
-    def _entry(self, segment: Segment, region: Region):
+    def _entry(self, segment: Segment, region: Region, settling: bool):
+        """The compiled region for this region, compiled now if the policy says so; None: run
+        its nodes eagerly."""
         entry = self.regions.get(region.key)
         if entry is _FAILED:
             return None
         if entry is not None:
             self.regions.touch(region.key)
             return entry
-        self.stats.cache_misses += 1
         if mixes_dtypes_on_shared_storage(segment, region):
-            self.regions.put(region.key, _FAILED)
-            self.stats.fallback("<region>", "writes a storage its inputs view in different dtypes",
-                                len(region.nodes), source=False)
+            return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
+        site = tuple(segment.nodes[n].func for n in region.nodes)
+        signatures = self.sites.get(site, 0) + 1
+        decision = on_region_miss(self.mode, settling, self.sightings.count(region.key), signatures,
+                                  config.recompile_limit)
+        if decision.verdict is Verdict.WAIT:
+            self.stats.warmup_ops += len(region.nodes)
             return None
-        if self.mode == "compiled":
-            site = tuple(segment.nodes[n].func for n in region.nodes)
-            signatures = self.sites.count(site)
-            if signatures > 1:
-                self.stats.recompiles += 1
-            if signatures > config.recompile_limit + 1:
-                self.stats.fallback("<region>", f"recompile limit ({config.recompile_limit}) reached",
-                                    len(region.nodes), source=False)
-                return None
+        self.stats.cache_misses += 1
+        if self.mode is Mode.COMPILED:
+            self.sites.put(site, signatures)
+            self.stats.recompiles += signatures > 1
+        if decision.verdict is Verdict.EAGER:
+            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
+            return None
         return self._compile(segment, region)
+
+    def _give_up(self, region: Region, reason: Reason) -> None:
+        self.regions.put(region.key, _FAILED)
+        self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region):
         from ..compiler import compile_graph  # the compiler layer sits below; imported on first use
@@ -334,10 +343,7 @@ class Runtime:
             # state breaks that tracing. A thread of its own starts from clean state.
             compiled = _COMPILER_THREAD.submit(compile_graph, gm, inputs, DEVICE.spec, name=name).result()
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            self.regions.put(region.key, _FAILED)
-            self.stats.fallback("<region>", f"compile failed: {type(error).__name__}: {error}"[:120],
-                                len(region.nodes), source=False)
-            return None
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         seconds = time.perf_counter() - started
         DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
         if self.observers:
@@ -514,19 +520,19 @@ def _root(segment: Segment, value):
     return value
 
 
-def _eager_reason(func) -> str | None:
+def _eager_reason(func) -> Reason | None:
     tags = func.tags
     if torch.Tag.dynamic_output_shape in tags:
-        return "data-dependent output shape"
+        return Reason(Why.DATA_DEPENDENT_SHAPE)
     if torch.Tag.data_dependent_output in tags:
-        return "reads device data on the host"
+        return Reason(Why.READS_DEVICE_DATA)
     return None
 
 
-def _host_device(kwargs) -> str | None:
+def _host_device(kwargs) -> Reason | None:
     device = kwargs.get("device") if kwargs else None
     if device is not None and torch.device(device).type == "cpu":
-        return "copy to host"
+        return Reason(Why.COPY_TO_HOST)
     return None
 
 
@@ -575,6 +581,13 @@ def _device_tensors(values):
             yield value
         elif type(value) is list or type(value) is tuple:
             yield from _device_tensors(value)
+
+
+def _draws(func, args) -> bool:
+    """Whether a random op draws numbers this call: dropout in eval mode (`train=False`) does
+    not, and is an ordinary op that records and compiles."""
+    names = [a.name for a in func._schema.arguments[:len(args)]]
+    return "train" not in names or args[names.index("train")] is not False
 
 
 def _is_training_dropout(args) -> bool:

@@ -20,6 +20,7 @@ from ..device.tensor import NeuronTensor, names_neuron, wrap
 from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
+from .policy import Reason, Why
 
 EXTERNAL = ("x",)
 VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
@@ -28,8 +29,8 @@ VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
 class Unrecordable(TilewiseError):
     """This op cannot be deferred; the tracer runs it eagerly. `reason` is the typed reason."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
+    def __init__(self, reason: Reason):
+        super().__init__(str(reason))
         self.reason = reason
 
 
@@ -160,7 +161,7 @@ class Segment:
         if isinstance(arg, torch.Tensor):
             scalars = getattr(arg, "tilewise_scalars", False)  # numbers the runtime lifted (runtime._LIFTED)
             if arg.device.type != "cpu" or arg.dim() != 0 and not scalars:
-                raise Unrecordable("host tensor argument")
+                raise Unrecordable(Reason(Why.HOST_TENSOR))
             # A CPU scalar is read at flush time: keep a private copy of today's value. It is an
             # input of any region compiled from this node, so its value is not part of the key.
             arg = arg.clone()
@@ -178,10 +179,10 @@ class Segment:
         node.wrappers = None
         node.roots = None
         if plan.metadata_mutating:  # squeeze_, t_, resize_...: the wrapper must change shape now
-            raise Unrecordable("changes a tensor's shape or strides in place")
+            raise Unrecordable(Reason(Why.UNRECORDABLE, "changes a tensor's shape or strides in place"))
         if plan.aliases is not None:
             if None in plan.aliases:
-                raise Unrecordable("returns both inputs it wrote and new tensors")
+                raise Unrecordable(Reason(Why.UNRECORDABLE, "returns both inputs it wrote and new tensors"))
             node.kind, node.outs = INPLACE, None
             return _returned_inputs(plan, args, kwargs)
         if plan.mutates and not node.func._schema.returns:
@@ -206,7 +207,7 @@ class Segment:
         if metas is None:
             metas = _host_outputs(node)
             meta_cache.put(signature, metas)
-        if type(metas) is str:
+        if type(metas) is Reason:
             raise Unrecordable(metas)
         returns_tuple, outputs, node.out_meta = metas
         if not returns_tuple:  # the common case, without the generators below
@@ -252,11 +253,12 @@ def _host_outputs(node: Node):
         except Exception as failed:  # noqa: BLE001 - any failure: not verifiable, run it eagerly
             error = failed
     else:
-        return f"output metadata unknown: its host kernel fails on stand-in inputs ({type(error).__name__})"
+        return Reason(Why.UNRECORDABLE, f"output metadata unknown: its host kernel fails on stand-in inputs "
+                      f"({type(error).__name__})")
     outs = out if isinstance(out, (tuple, list)) else (out,)
     # None: an output the op was asked not to compute (convolution_backward's output_mask)
     if not outs or not all(isinstance(o, torch.Tensor) or o is None and type(out) is tuple for o in outs):
-        return "returns a non-tensor"
+        return Reason(Why.UNRECORDABLE, "returns a non-tensor")
     described = tuple(None if o is None else (o.shape, o.stride(), o.dtype) for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
     return isinstance(out, (tuple, list)), described, \

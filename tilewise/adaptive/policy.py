@@ -1,0 +1,93 @@
+"""The adaptive policy: what runs now, what waits, what compiles, and why.
+
+    Every op on a neuron tensor is recorded into the lazy segment, except those that must run at
+    once: random draws (in eager's order), reads of device data, ops whose output shape depends on
+    data. A flush computes the segment. Each recorded node has a fingerprint (op, input metadata,
+    constants, producers); it is stable once seen in `threshold` flushes (compiled mode: at once).
+    Stable nodes form convex regions. A region compiles at once when nothing else in its segment
+    is still warming up; while its neighbours settle, only once it recurs (a region formed
+    halfway through warm-up is never compiled for nothing). Compiled mode compiles at first sight.
+    Floats seen to change at their site become region inputs, so a schedule compiles once more,
+    not every step; compiled mode stops recompiling a region site after `recompile_limit`
+    signatures. Whatever does not compile runs eagerly with a typed reason, counted in stats():
+    warming up, dynamic, or one of `Why` below.
+
+This module is pure: the runtime asks it, it decides from counts it is given.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class Mode(str, enum.Enum):
+    EAGER = "eager"
+    ADAPTIVE = "adaptive"
+    COMPILED = "compiled"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Why(enum.Enum):
+    """Why something ran eagerly. Transfers are no fallback: moving data is what they are for."""
+    WARMING_UP = "warming up"
+    DYNAMIC = "dynamic: its input shapes or constants change"
+    NOT_RECURRED = "waiting: the region has not recurred yet"
+    DATA_DEPENDENT_SHAPE = "data-dependent output shape"
+    RANDOM = "random op reads pending data"
+    UNRECORDABLE = "cannot be deferred"
+    MIXED_DTYPE_VIEWS = "writes a storage its inputs view in different dtypes"
+    RECOMPILE_LIMIT = "recompile limit"
+    COMPILE_FAILED = "compile failed"
+    READS_DEVICE_DATA = "reads device data on the host"
+    COPY_TO_HOST = "copy to host"
+    HOST_TENSOR = "host tensor argument"
+
+    @property
+    def is_transfer(self) -> bool:
+        return self in _TRANSFERS
+
+
+_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR})
+
+
+class Reason(NamedTuple):
+    """A typed reason, as the compiler's refusals are: `why` is stable for counting."""
+    why: Why
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.why.value}: {self.detail}" if self.detail else self.why.value
+
+
+class Verdict(enum.Enum):
+    COMPILE = "compile"
+    WAIT = "wait"      # run its nodes eagerly this time; it may compile when it comes again
+    EAGER = "eager"    # give up on this region (a reason says why)
+
+
+class Decision(NamedTuple):
+    verdict: Verdict
+    reason: Reason | None = None
+
+
+def stable_after(mode: Mode, threshold: int) -> int:
+    """Flushes a node's fingerprint must be seen in before it may join a region."""
+    return 1 if mode is Mode.COMPILED else threshold
+
+
+def on_region_miss(mode: Mode, settling: bool, sightings: int, signatures: int, recompile_limit: int) -> Decision:
+    """A region whose key is not in the cache. `settling`: other nodes of its segment are still
+    warming up (they are neither stable nor dynamic), so the region may still grow; `sightings`
+    counts the flushes that formed it (this one included), `signatures` the regions compiled at
+    its site (the same ops, other shapes or constants), this one included."""
+    if mode is Mode.COMPILED:
+        if signatures > recompile_limit + 1:
+            return Decision(Verdict.EAGER, Reason(Why.RECOMPILE_LIMIT, f"{recompile_limit} reached"))
+        return Decision(Verdict.COMPILE)
+    if settling and sightings < 2:
+        return Decision(Verdict.WAIT, Reason(Why.NOT_RECURRED))
+    return Decision(Verdict.COMPILE)
