@@ -3,6 +3,13 @@ import pytest
 import tilewise
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_key(tmp_path_factory):
+    """Tests that use a disk cache authenticate it with a key of their own, never the user's."""
+    with tilewise.config.patch(cache_key_file=str(tmp_path_factory.mktemp("key") / "cache.key")):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def fresh_engine():
     """Each test starts with no compiled regions and zeroed statistics, so it sees its own compiles."""

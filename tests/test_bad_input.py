@@ -19,6 +19,7 @@ BAD_VALUES = {
     "threshold": [0, -1, 1.5, "three", "3", "", None, True, float("inf"), float("nan"), [3]],
     "device": ["trn9", "", 2, None, "cuda"],
     "cache_dir": [5, 1.5, ["/tmp"], object()],
+    "cache_key_file": [5, 1.5, ["/tmp/key"], object()],
     "recompile_limit": [-1, 0.5, "many", float("inf"), False],
     "max_segment_ops": [0, -5, 2.5, "lots", float("-inf")],
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
@@ -27,6 +28,7 @@ BAD_VALUES = {
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
+           "cache_key_file": "file path",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0"}
 

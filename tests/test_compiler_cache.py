@@ -1,10 +1,12 @@
-"""The on-disk compile cache: a second process compiles nothing; corrupt entries are recompiled."""
+"""The on-disk compile cache: a second process compiles nothing (same key, same entry); corrupt
+or tampered entries are recompiled."""
 import os
 import stat
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -26,33 +28,44 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cache_dir) -> list[str]:
-    env = {**os.environ, "TILEWISE_CACHE_DIR": str(cache_dir)}
+def _run(cache_dir, key_file) -> list[str]:
+    env = {**os.environ, "TILEWISE_CACHE_DIR": str(cache_dir), "TILEWISE_CACHE_KEY_FILE": str(key_file)}
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True)
     return out.stdout.split()
 
 
 def test_second_process_compiles_nothing_and_corruption_is_recompiled(tmp_path):
-    cache_dir = tmp_path / "cache"
-    assert _run(cache_dir) == ["1", "0", "0", "True", "2"]
+    cache_dir, key_file = tmp_path / "cache", tmp_path / "config" / "cache.key"
+    assert _run(cache_dir, key_file) == ["1", "0", "0", "True", "2"]
     assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
-    assert _run(cache_dir) == ["0", "1", "0", "True", "2"]
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    key = key_file.read_bytes()
+    assert _run(cache_dir, key_file) == ["0", "1", "0", "True", "2"]
+    assert key_file.read_bytes() == key  # made once, then used by every process
     (entry,) = [p for p in cache_dir.iterdir() if p.suffix == ".twc"]
     entry.write_bytes(entry.read_bytes()[:-40])  # truncated
-    assert _run(cache_dir) == ["1", "0", "1", "True", "2"]
-    assert _run(cache_dir) == ["0", "1", "0", "True", "2"]  # the recompiled entry was written back
+    assert _run(cache_dir, key_file) == ["1", "0", "1", "True", "2"]
+    assert _run(cache_dir, key_file) == ["0", "1", "0", "True", "2"]  # the recompiled entry was written back
 
 
-def test_tampered_payload_with_stale_digest_is_rejected(tmp_path):
+def test_a_second_process_with_another_key_trusts_no_entry(tmp_path):
+    cache_dir = tmp_path / "cache"
+    assert _run(cache_dir, tmp_path / "mine.key") == ["1", "0", "0", "True", "2"]
+    assert _run(cache_dir, tmp_path / "theirs.key") == ["1", "0", "1", "True", "2"]
+
+
+def test_tampered_payload_with_stale_mac_is_rejected(tmp_path):
     fn = lambda x: torch.exp(x) + 1
     x = torch.randn(4, 5)
     gm = make_fx(fn)(x)
-    with tilewise.config.patch(cache_dir=str(tmp_path)):
+    with tilewise.config.patch(cache_dir=str(tmp_path / "cache"), cache_key_file=str(tmp_path / "cache.key")):
         compile_graph(gm, [x])
         cache.clear_memory()
-        (entry,) = list(tmp_path.glob("*.twc"))
+        (entry,) = list((tmp_path / "cache").glob("*.twc"))
         entry.write_bytes(entry.read_bytes().replace(b"exp", b"log"))
-        corrupt = cache.stats.corrupt
-        compiled = compile_graph(gm, [x])
-    assert cache.stats.corrupt == corrupt + 1
+        corrupt, compiles = cache.stats.corrupt, cache.stats.compiles
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            compiled = compile_graph(gm, [x])
+    assert cache.stats.corrupt == corrupt + 1 and cache.stats.compiles == compiles + 1
     torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    cache.clear_memory()

@@ -51,10 +51,28 @@ def _optional_path(name: str, value: Any) -> str | None:
     return os.fspath(value)
 
 
-def _from_environment(raw: str) -> Any:
-    """An environment string as the Python value a setting takes: whole numbers as int."""
+def _number_from_environment(raw: str) -> Any:
+    """An environment string as the Python value a number setting takes: whole numbers as int
+    (anything else stays text, for the check to refuse with its message)."""
     text = raw.strip()
     return int(text) if text.lstrip("+-").isdigit() else raw
+
+
+def _default_key_file() -> str:
+    """Where the disk cache's HMAC key lives unless set: the user's XDG config directory (an
+    XDG_CONFIG_HOME that is not absolute is ignored, as the XDG spec says), never the cache."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "tilewise", "cache.key")
+
+
+def _key_file(name: str, value: Any) -> str:
+    if value is None or value == "":
+        return _default_key_file()
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a file path or empty (the default); got {value!r}")
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,8 @@ SETTINGS: dict[str, Setting] = {
                       "DeviceSpec preset the simulated NeuronCore follows"),
     "cache_dir": Setting(None, "TILEWISE_CACHE_DIR", _optional_path,
                          "directory for compiled kernels shared across processes; unset: memory only"),
+    "cache_key_file": Setting(_default_key_file(), "TILEWISE_CACHE_KEY_FILE", _key_file,
+                              "per-user secret (0600, made on first use) that authenticates disk cache entries"),
     "recompile_limit": Setting(8, "TILEWISE_RECOMPILE_LIMIT", _int_at_least(0),
                                "compiled mode: signatures per region before it gives up and runs eagerly"),
     "max_segment_ops": Setting(10_000, "TILEWISE_MAX_SEGMENT_OPS", _int_at_least(1),
@@ -103,7 +123,9 @@ class _Config:
         raw = os.environ.get(setting.env) if setting.env else None
         if raw is None or raw == "":
             return setting.default
-        return setting.check(setting.env, _from_environment(raw))
+        if isinstance(setting.default, int):  # a number setting: its text as a number
+            raw = _number_from_environment(raw)
+        return setting.check(setting.env, raw)
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._overrides[name] = self.validate(name, value)
