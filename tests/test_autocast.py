@@ -252,6 +252,31 @@ def test_grad_scaler_with_float16_matches_cpu(mode):
         torch.testing.assert_close(p, e, atol=1e-4, rtol=1e-4)
 
 
+def _recurrent(device, mode, autocast):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, num_layers=2, bidirectional=True).to(device)
+    cell = torch.nn.GRUCell(4, 6).to(device)
+    x = torch.randn(5, 3, 4).to(device)
+    with tilewise.engine(mode=mode):
+        with torch.autocast(device_type="neuron", dtype=torch.bfloat16, enabled=autocast):
+            out, (h, c) = lstm(x)
+            hidden = cell(x[0])
+        (out.float().pow(2).mean() + hidden.float().sum()).backward()
+        return [t.dtype for t in (out, c, hidden)], [out.float().cpu(), hidden.float().cpu(),
+                                                    lstm.weight_ih_l0.grad.cpu(), cell.weight_hh.grad.cpu()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recurrent_layers_under_autocast_run_their_cells_in_bf16(mode):
+    """CUDA's policy casts the fused cells' inputs to the autocast dtype (CPU's has no such entry):
+    bf16 results, within bf16 precision of the float32 model on CPU."""
+    _, expected = _recurrent("cpu", "eager", autocast=False)
+    dtypes, got = _recurrent("neuron", mode, autocast=True)
+    assert dtypes == [bf16, bf16, bf16]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-2 * e.abs().max().item(), rtol=1.6e-2)
+
+
 # -- a whole model in bfloat16 ------------------------------------------------------------------------
 _BF16_LAYER_NORM = textwrap.dedent("""
     import sys, torch, tilewise

@@ -203,6 +203,20 @@ def test_lstm_and_gru_under_inference_mode_match_cpu(mode):
         torch.testing.assert_close(g, e, **TOL)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_sequences_under_inference_mode_match_cpu(mode):
+    """Without autograd the packed-sequence ops reach the device whole, CPU batch_sizes and all."""
+    torch.manual_seed(0)
+    model = Packed(torch.nn.LSTM(F, H, num_layers=2, bidirectional=True), torch.tensor([2, 5, 3]), False)
+    x = _seq()
+    with torch.inference_mode():
+        expected, _ = model(x)
+    model = model.to("neuron")
+    with tilewise.engine(mode=mode), torch.inference_mode():
+        got, _ = model(x.to("neuron"))
+        torch.testing.assert_close(got.cpu(), expected, **TOL)
+
+
 def _gates(n_gates, seed):
     torch.manual_seed(seed)
     return torch.randn(B, n_gates * H), torch.randn(B, n_gates * H)

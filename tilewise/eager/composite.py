@@ -16,7 +16,8 @@ Two ways in:
   unfused cells, so the backward ops never reach the device;
 - below autograd (under `torch.inference_mode`, or a direct call of a backward op) the executor
   runs the op's composite from `COMPOSITES` on the device tensors; a lazy replay of a recorded
-  fused cell runs it on the host buffers.
+  fused cell runs it on the host buffers. Under inference_mode the packed-sequence forms of the
+  RNNs arrive whole, with the CPU `batch_sizes`; they run as PyTorch's own decomposition.
 """
 from __future__ import annotations
 
@@ -115,13 +116,18 @@ def pack_padded_sequence(input, lengths, batch_first=False):
     return aten.cat.default(steps), torch.tensor(batch_sizes, dtype=torch.int64)
 
 
-# Op overload -> its computation in aten ops; the executor's fallback for ops without a CPU kernel.
+# Op overload -> its computation in aten ops, for the ops the executor cannot run on host buffers.
 COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._thnn_fused_lstm_cell.default: fused_lstm_cell,
     aten._thnn_fused_lstm_cell_backward_impl.default: fused_lstm_cell_backward_impl,
     aten._thnn_fused_gru_cell.default: fused_gru_cell,
     aten._thnn_fused_gru_cell_backward.default: fused_gru_cell_backward,
     aten._pack_padded_sequence.default: pack_padded_sequence,
+    # Composite ops that reach the device whole when autograd is off (inference_mode) and carry the
+    # CPU `batch_sizes` of a PackedSequence: PyTorch's own decomposition (torch._decomp's where it
+    # has one, else the CompositeImplicitAutograd kernel) on the device tensors.
+    **{op: op.decompose for op in (aten.lstm.data, aten.gru.data, aten.rnn_tanh.data, aten.rnn_relu.data,
+                                   aten._pad_packed_sequence.default)},
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).
@@ -130,7 +136,7 @@ _library: torch.library.Library | None = None
 
 
 def install() -> None:
-    """Register the forward cells' composites at AutogradPrivateUse1; idempotent."""
+    """Register the `_ABOVE_AUTOGRAD` composites at AutogradPrivateUse1; idempotent."""
     global _library
     if _library is not None:
         return

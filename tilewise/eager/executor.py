@@ -38,14 +38,14 @@ def execute(func, args, kwargs):
     """
     if DEVICE.lazy_pending:
         DEVICE.synchronize()
-    composite = COMPOSITES.get(func)
-    if composite is not None:  # a device-only op: its aten ops, one kernel each
-        return composite(*args, **kwargs)
     return run(func, args, kwargs)
 
 
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
+    composite = COMPOSITES.get(func)
+    if composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
+        return composite(*args, **kwargs)
     plan = plan_of(func)
     traffic = [0, 0]  # [HBM bytes read, largest input numel]
     host_args = _unwrap(args, plan, traffic)
