@@ -311,17 +311,13 @@ _BF16_LAYER_NORM = textwrap.dedent("""
 
 
 def _bf16_layer_norm_in_subprocess(mode):
-    # A process of its own: the lazy modes have aborted the whole process on this model.
+    # A process of its own: adaptive mode aborted the whole process on this model while the meta
+    # kernel's float32 mean/rstd of a bf16 native_layer_norm stood for CPU's bf16 ones.
     return subprocess.run([sys.executable, "-c", _BF16_LAYER_NORM, mode], capture_output=True, text=True,
                           timeout=600)
 
 
-@pytest.mark.parametrize("mode", [
-    "eager", "compiled",
-    pytest.param("adaptive", marks=pytest.mark.xfail(
-        reason="native_layer_norm's meta kernel gives float32 mean/rstd where CPU gives bf16; the replay "
-               "of the backward then fails (fix pending in adaptive/segment.py)", strict=False)),
-])
+@pytest.mark.parametrize("mode", MODES)
 def test_bfloat16_model_with_layer_norm_trains_like_cpu(mode):
     result = _bf16_layer_norm_in_subprocess(mode)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), \
