@@ -108,3 +108,19 @@ def set_rng_state(state: torch.Tensor, device=None) -> None:
 
 def _is_in_bad_fork() -> bool:
     return False
+
+
+# -- Mixed precision: torch.autocast(device_type="neuron") and torch.amp.GradScaler("neuron") --------
+from . import amp  # noqa: E402  (the cast policy; `torch.neuron.amp` as `torch.cuda.amp`)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What torch.autocast asks a PrivateUse1 device before it enables autocast for it."""
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+amp.install()

@@ -13,6 +13,8 @@ from ..device.cost import kernel_seconds
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
+from . import composite
+from .composite import COMPOSITES
 from .plan import OpPlan, plan_of
 
 CPU = torch.device("cpu")
@@ -41,6 +43,9 @@ def execute(func, args, kwargs):
 
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
+    composite = COMPOSITES.get(func)
+    if composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
+        return composite(*args, **kwargs)
     plan = plan_of(func)
     traffic = [0, 0]  # [HBM bytes read, largest input numel]
     host_args = _unwrap(args, plan, traffic)
@@ -64,7 +69,15 @@ def run(func, args, kwargs):
 def run_host(func, host_args, host_kwargs):
     """Run one aten op on host buffers and charge it as one kernel: the lazy engine's replay."""
     plan = plan_of(func)
-    out = func(*host_args, **host_kwargs)
+    try:
+        out = func(*host_args, **host_kwargs)
+    except NotImplementedError:
+        # A device-only op recorded lazily (a fused cell under inference_mode): its composite on
+        # the host buffers, charged as one kernel.
+        composite = COMPOSITES.get(func)
+        if composite is None:
+            raise
+        out = composite(*host_args, **host_kwargs)
     counters.ops += 1
     if plan.kernel:
         traffic = [0, 0]
@@ -212,3 +225,4 @@ def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
 
 def install() -> None:
     NeuronTensor._execute = staticmethod(execute)
+    composite.install()
