@@ -86,3 +86,150 @@ def test_every_torch_masked_op_matches_cpu(mode, name):
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, equal_nan=True)
     assert_compiled_if_lazy(mode)
+
+
+# ---- item 2: checkpoints -----------------------------------------------------------------------
+
+def _trained(device, steps: int = 2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(6, 4).to(device)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _saved(obj, path, **load_kwargs):
+    torch.save(obj, path)
+    return torch.load(path, **load_kwargs)
+
+
+def _assert_tensors_equal(got: dict, want: dict, device_type: str) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key].device.type == device_type, key
+        torch.testing.assert_close(got[key].cpu(), value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_checkpoint_round_trip_equals_cpu_and_honours_map_location(mode, weights_only, tmp_path):
+    cpu_model, cpu_optimizer = _trained("cpu")
+    with tilewise.engine(mode=mode):
+        model, optimizer = _trained("neuron")
+        state = model.state_dict()
+        want = {key: value.cpu() for key, value in state.items()}  # a round trip changes no bit
+        path = tmp_path / "model.pt"
+        on_device = _saved(state, path, weights_only=weights_only)
+        _assert_tensors_equal(on_device, want, "neuron")
+        for location in ("neuron", "neuron:0", torch.device("neuron")):
+            _assert_tensors_equal(torch.load(path, map_location=location, weights_only=weights_only),
+                                  want, "neuron")
+        for location in ("cpu", torch.device("cpu"), {"neuron:0": "cpu"}, lambda storage, where: storage):
+            loaded = torch.load(path, map_location=location, weights_only=weights_only)
+            _assert_tensors_equal(loaded, want, "cpu")
+            assert all(type(t) is torch.Tensor for t in loaded.values())
+        opt_state = _saved(optimizer.state_dict(), tmp_path / "opt.pt", weights_only=weights_only)
+    for key, value in cpu_model.state_dict().items():
+        torch.testing.assert_close(want[key], value)
+    want_opt = cpu_optimizer.state_dict()
+    assert opt_state["param_groups"] == want_opt["param_groups"]
+    for index, per_param in want_opt["state"].items():
+        for key, value in per_param.items():
+            got = opt_state["state"][index][key]
+            assert got.device.type == ("cpu" if key == "step" else "neuron"), key
+            torch.testing.assert_close(got.cpu(), value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("built_inside", [True, False])
+def test_load_state_dict_into_a_neuron_model_then_train_matches_cpu(mode, built_inside, tmp_path):
+    cpu_model, cpu_optimizer = _trained("cpu")
+    source, source_optimizer = _trained("neuron")
+    torch.save({"model": source.state_dict(), "opt": source_optimizer.state_dict()}, tmp_path / "ckpt.pt")
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to("neuron")
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    if not built_inside:
+        model, optimizer = build()
+    with tilewise.engine(mode=mode):
+        if built_inside:
+            model, optimizer = build()
+        checkpoint = torch.load(tmp_path / "ckpt.pt")
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["opt"])
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+        x_dev = x.to("neuron")
+        for _ in range(STEPS + 1):
+            optimizer.zero_grad()
+            loss = model(x_dev).square().mean()
+            loss.backward()
+            optimizer.step()
+            loss.item()  # a step ends as a training loop's does: the lazy segment flushes
+            cpu_optimizer.zero_grad()
+            cpu_model(x).square().mean().backward()
+            cpu_optimizer.step()
+        got = {k: v.cpu() for k, v in model.state_dict().items()}
+    for key, value in cpu_model.state_dict().items():
+        torch.testing.assert_close(got[key], value)
+    assert_compiled_if_lazy(mode)
+
+
+def test_loading_onto_a_missing_device_ordinal_is_a_clear_error(tmp_path):
+    torch.save(torch.ones(2, device="neuron"), tmp_path / "t.pt")
+    with pytest.raises(tilewise.errors.DeviceError, match="invalid device ordinal"):
+        torch.load(tmp_path / "t.pt", map_location={"neuron:0": "neuron:1"})
+
+
+# ---- item 3: Module.to / .half / memory formats, with live outputs and inside lazy blocks ------
+
+def _converted_model_outputs(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 3))
+    model = model.to(device)
+    x = torch.randn(2, 3, 6, 6).to(device)
+    first = model(x)  # alive across every conversion below, as in a training script
+    model.to(memory_format=torch.channels_last)
+    channels_last = model(x.to(memory_format=torch.channels_last))
+    model.half()
+    half = model(x.half())
+    model.to(torch.bfloat16)
+    bf16 = model(x.bfloat16())
+    model.float()
+    first.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    layout = model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    return [t.detach().cpu() for t in (first, channels_last, half, bf16, *grads)], layout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_conversions_with_live_outputs_match_cpu(mode):
+    want, want_layout = _converted_model_outputs("cpu")
+    got, layout = run_steps(mode, lambda: _converted_model_outputs("neuron"))
+    assert layout == want_layout
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w)
+    assert_compiled_if_lazy(mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_moved_to_neuron_inside_a_block_keeps_its_parameters_registered(mode):
+    torch.manual_seed(0)
+    want = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    with tilewise.engine(mode=mode):
+        model = torch.nn.Linear(3, 3)
+        model.load_state_dict(want.state_dict())
+        moved = model.to("neuron")
+        assert moved is model and model.weight.device.type == "neuron"
+        assert [p.device.type for p in model.parameters()] == ["neuron", "neuron"]
+        got = model(x.to("neuron")).detach().cpu()
+        back = model.cpu()
+        assert back.weight.device.type == "cpu" and type(back.weight.data) is torch.Tensor
+    torch.testing.assert_close(got, want(x).detach())

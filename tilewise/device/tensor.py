@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .runtime import DEVICE
+from .serialization import bound_for_device
 
 NEURON = torch.device("neuron", 0)
 
@@ -80,6 +81,10 @@ class NeuronTensor(torch.Tensor):
         if not isinstance(new, NeuronTensor):
             raise TypeError(f"a neuron tensor's .data must be a neuron tensor; got one on {new.device}. "
                             "Move it first: param.data = value.to('neuron')")
+        # A tensor the lazy engine has yet to compute has an unfilled buffer, which the engine may
+        # skip filling once `new` (its only wrapper) is gone: compute it first.
+        if DEVICE.lazy_pending:
+            DEVICE.synchronize()
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
 
@@ -112,8 +117,9 @@ def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
 _track = DEVICE.hbm.track
 
 
-def _rebuild(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
-    tensor = wrap(data)
+def _rebuild(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """torch.load's half of __reduce_ex__: a device tensor unless map_location sent it elsewhere."""
+    tensor = wrap(data) if bound_for_device(data) else data
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
