@@ -233,3 +233,48 @@ def test_module_moved_to_neuron_inside_a_block_keeps_its_parameters_registered(m
         back = model.cpu()
         assert back.weight.device.type == "cpu" and type(back.weight.data) is torch.Tensor
     torch.testing.assert_close(got, want(x).detach())
+
+
+# ---- item 4: DataLoader workers and pinned memory ------------------------------------------------
+
+_DATALOADER_PROGRAM = """
+import sys, torch, tilewise
+from torch.utils.data import DataLoader, TensorDataset
+mode = sys.argv[1]
+torch.manual_seed(0)
+x, y = torch.randn(8, 3), torch.arange(8)
+
+def epoch(xs, ys, **kw):
+    return torch.cat([((bx * 2).sum(1) + by).cpu() for bx, by in DataLoader(TensorDataset(xs, ys),
+                                                                            batch_size=4, **kw)])
+
+want = epoch(x, y)
+with tilewise.engine(mode=mode):
+    xn, yn = x.to("neuron"), y.to("neuron")
+    for _ in range(4):
+        assert torch.equal(epoch(xn, yn, num_workers=2), want)
+    for _ in range(4):
+        got = [((bx.to("neuron", non_blocking=True) * 2).sum(1) + by.to("neuron", non_blocking=True)).cpu()
+               for bx, by in DataLoader(TensorDataset(x, y), batch_size=4, num_workers=2, pin_memory=True)]
+        assert torch.equal(torch.cat(got), want)
+stats = tilewise.stats()
+print("ok", stats.compiles, stats.ops_compiled)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dataloader_workers_with_neuron_tensors_and_pinned_batches_match_cpu(mode):
+    """In a subprocess with a timeout: a crashed or hung worker fails the test, not pytest."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _DATALOADER_PROGRAM, mode], capture_output=True, text=True,
+                          timeout=240, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    word, compiles, ops_compiled = done.stdout.split()
+    assert word == "ok"
+    if mode == "eager":
+        assert int(compiles) == 0 and int(ops_compiled) == 0
+    else:
+        assert int(compiles) >= 1 and int(ops_compiled) > 0

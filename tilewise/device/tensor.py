@@ -96,6 +96,14 @@ class NeuronTensor(torch.Tensor):
         return _rebuild, (self._data.detach(), self.requires_grad)
 
 
+def reduce_for_process(tensor: NeuronTensor):
+    """How torch.multiprocessing sends a neuron tensor: its host buffer (shared memory), wrapped
+    again on the receiving side whatever happens to the buffer's storage there."""
+    if DEVICE.lazy_pending:
+        DEVICE.synchronize()
+    return _rebuild_received, (tensor._data.detach(), tensor.requires_grad)
+
+
 def wrap(data: torch.Tensor) -> NeuronTensor:
     """Make the device tensor whose HBM buffer is `data` (a host tensor). Hot path: keep it lean."""
     _track(data)  # first: an OOM must leave nothing half made
@@ -115,6 +123,13 @@ def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
 
 
 _track = DEVICE.hbm.track
+
+
+def _rebuild_received(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
+    tensor = wrap(data)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _rebuild(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
