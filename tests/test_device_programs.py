@@ -278,3 +278,69 @@ def test_dataloader_workers_with_neuron_tensors_and_pinned_batches_match_cpu(mod
         assert int(compiles) == 0 and int(ops_compiled) == 0
     else:
         assert int(compiles) >= 1 and int(ops_compiled) > 0
+
+
+# ---- item 5 (what works) and item 6: generators, device ordinals, non-dense tensors -------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_factories_drawing_from_a_cpu_generator_match_cpu(mode):
+    want = torch.randn(3, 4, generator=torch.Generator().manual_seed(7)) * 2
+    got = run_steps(mode, lambda: (torch.randn(3, 4, device="neuron",
+                                               generator=torch.Generator().manual_seed(7)) * 2).cpu())
+    assert_same(got, want)
+    assert_compiled_if_lazy(mode)
+
+
+_MISSING_ORDINAL = {
+    "factory": lambda: torch.ones(3, device="neuron:1"),
+    "random factory": lambda: torch.randn(3, device="neuron:1"),
+    "transfer": lambda: torch.ones(3).to("neuron:1"),
+    "from data": lambda: torch.tensor([1.0], device="neuron:1"),
+}
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+@pytest.mark.parametrize("case", sorted(_MISSING_ORDINAL))
+def test_a_missing_device_ordinal_raises_the_same_error_in_every_mode(mode, case):
+    with pytest.raises(tilewise.DeviceError, match=r"invalid device ordinal neuron:1 \(torch.neuron.device_count\(\) == 1\)"):
+        if mode is None:
+            _MISSING_ORDINAL[case]()
+        else:
+            with tilewise.engine(mode=mode):
+                _MISSING_ORDINAL[case]()
+
+
+_NOT_DENSE = {
+    "sparse coo": lambda: torch.eye(3).to_sparse(),
+    "sparse csr": lambda: torch.eye(3).to_sparse_csr(),
+    "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+    "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", sorted(_NOT_DENSE))
+def test_moving_a_non_dense_tensor_to_neuron_is_a_clear_error(mode, kind):
+    host = _NOT_DENSE[kind]()
+    with tilewise.engine(mode=mode):
+        with pytest.raises(tilewise.DeviceError, match="neuron tensors are dense \\(strided\\) only"):
+            host.to("neuron")
+
+
+@pytest.mark.parametrize("kind", ["sparse coo", "sparse csr"])
+def test_moving_a_sparse_tensor_to_neuron_outside_a_block_is_a_clear_error(kind):
+    with pytest.raises(tilewise.DeviceError, match="neuron tensors are dense \\(strided\\) only"):
+        _NOT_DENSE[kind]().to("neuron")
+
+
+@pytest.mark.parametrize("mode", [None, "eager"])
+def test_making_a_sparse_tensor_on_neuron_is_a_clear_error(mode):
+    def make():
+        return torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2),
+                                       device="neuron")
+    with pytest.raises(tilewise.DeviceError, match="neuron tensors are dense \\(strided\\) only"):
+        if mode is None:
+            make()
+        else:
+            with tilewise.engine(mode=mode):
+                make()

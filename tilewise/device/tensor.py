@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import DeviceError
 from .runtime import DEVICE
 from .serialization import bound_for_device
 
@@ -106,7 +107,17 @@ def reduce_for_process(tensor: NeuronTensor):
 
 def wrap(data: torch.Tensor) -> NeuronTensor:
     """Make the device tensor whose HBM buffer is `data` (a host tensor). Hot path: keep it lean."""
-    _track(data)  # first: an OOM must leave nothing half made
+    try:
+        _track(data)  # first: an OOM must leave nothing half made
+    except (NotImplementedError, RuntimeError):
+        if data.layout is torch.strided and not data.is_nested:
+            raise
+        raise DeviceError(f"neuron tensors are dense (strided) only: cannot make a {data.layout} "
+                          f"{'nested ' if data.is_nested else ''}tensor on neuron; use a dense one "
+                          "(e.g. .to_dense())") from None
+    if data.is_quantized:
+        raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
+                          "neuron; use .dequantize() first")
     tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
                            storage_offset=data.storage_offset(), dtype=data.dtype, device=NEURON)
     tensor._data = data
