@@ -302,7 +302,8 @@ _MISSING_ORDINAL = {
 @pytest.mark.parametrize("mode", [None, *MODES])
 @pytest.mark.parametrize("case", sorted(_MISSING_ORDINAL))
 def test_a_missing_device_ordinal_raises_the_same_error_in_every_mode(mode, case):
-    with pytest.raises(tilewise.DeviceError, match=r"invalid device ordinal neuron:1 \(torch.neuron.device_count\(\) == 1\)"):
+    expected = r"invalid device ordinal neuron:1 \(torch.neuron.device_count\(\) == 1\)"
+    with pytest.raises(tilewise.DeviceError, match=expected):
         if mode is None:
             _MISSING_ORDINAL[case]()
         else:
