@@ -125,7 +125,7 @@ def test_torch_neuron_seed_and_state_reject_bad_values():
         torch.neuron.manual_seed("seven")
     with pytest.raises(TypeError, match="ByteTensor"):
         torch.neuron.set_rng_state(torch.zeros(3))
-    with pytest.raises(tilewise.DeviceError, match="neuron:1 does not exist"):
+    with pytest.raises(tilewise.DeviceError, match="invalid device ordinal neuron:1"):
         torch.randn(3, device="neuron:1")
 
 

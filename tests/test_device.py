@@ -68,9 +68,6 @@ def test_module_to_neuron_moves_parameters_and_buffers_and_matches_cpu_forward()
     assert not torch.equal(model[1].running_mean.cpu(), reference.running_mean)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="torch moves wrapper-subclass parameters with swap_tensors, which refuses "
-                          "while a live autograd graph saved the parameter (CUDA does not swap)")
 def test_module_to_neuron_while_a_cpu_graph_saved_its_weight():
     model = torch.nn.BatchNorm1d(3)
     out = model(torch.randn(4, 3))

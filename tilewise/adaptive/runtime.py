@@ -22,7 +22,7 @@ import torch
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
-from ..eager.executor import execute, run, run_host
+from ..eager.executor import check_device, execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from ..errors import TilewiseError
 from . import analysis, interrupts
@@ -88,6 +88,7 @@ class Runtime:
         host data, so they run now; a factory that reads no tensor at all (ones, arange, full: a
         causal mask or the positions made every step) is recorded like any op, so it can join a
         compiled region (random factories still draw at once, in eager's order)."""
+        check_device(kwargs.get("device") or "neuron")  # neuron:1 fails here, as in eager mode
         if not any(isinstance(a, torch.Tensor) for a in _flat(args)):
             return self.dispatch(func, args, kwargs)
         self.stats.ops_seen += 1

@@ -1,14 +1,21 @@
 """The simulated NeuronCore: `neuron` device registration, device tensors, HBM, cost model, timeline."""
-from .backend import allow_loading, register, use_foreach_optimizers
+from .backend import (allow_loading, convert_modules_in_place, fork_safely, register, share_between_processes,
+                      treat_host_memory_as_pinned, use_foreach_optimizers)
 
 register()  # first: everything below names torch.device("neuron")
 
+from . import serialization  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
 from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
-from .tensor import NEURON, NeuronTensor, _rebuild, wrap  # noqa: E402
+from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
 
 allow_loading(_rebuild, NeuronTensor)
+serialization.register()
 use_foreach_optimizers(NeuronTensor)
+convert_modules_in_place(NeuronTensor)
+share_between_processes(NeuronTensor, reduce_for_process)
+treat_host_memory_as_pinned(NEURON.type)
+fork_safely(DEVICE)
 
 __all__ = ["DEVICE", "Device", "DeviceSpec", "NEURON", "NeuronTensor", "PRESETS", "TRN2", "TRN3",
            "preset", "wrap"]

@@ -1,12 +1,15 @@
 """Registers the `neuron` device with PyTorch (PrivateUse1, pure Python)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from . import neuron_module
+
+_PACKAGE = __name__.split(".")[0] + "."  # "tilewise.": the engine's modes are defined under it
 
 
 def register() -> None:
@@ -30,6 +33,102 @@ def use_foreach_optimizers(tensor_type: type) -> None:
     supported = optimizer._foreach_supported_types
     if tensor_type not in supported:
         supported.append(tensor_type)
+
+
+def convert_modules_in_place(tensor_type: type) -> None:
+    """Module.to/.half/.cpu of a model with neuron parameters, as for CUDA: `param.data = new` where
+    the types match, a new Parameter where they do not.
+
+    nn.Module._apply swaps whole tensor objects (torch.utils.swap_tensors) whenever the converted
+    tensor is a traceable wrapper subclass, which ours is so that torch.compile can see through it.
+    A swap refuses a tensor that anything else references (a live output's autograd graph, the lazy
+    engine's weak references), so `out = model(x); model.half()` or `model.to("neuron")` inside an
+    engine block failed. _apply reads the predicate through its module's global, so only it is told
+    that our tensors are not such subclasses; torch.compile and everything else still see they are.
+    """
+    from torch.nn.modules import module
+
+    swaps = module.is_traceable_wrapper_subclass
+    if getattr(swaps, "exempt", None) is tensor_type:
+        return
+
+    def swaps_unless_ours(tensor) -> bool:
+        return not isinstance(tensor, tensor_type) and swaps(tensor)
+
+    swaps_unless_ours.exempt = tensor_type
+    module.is_traceable_wrapper_subclass = swaps_unless_ours
+
+
+def share_between_processes(tensor_type: type, reduce) -> None:
+    """DataLoader workers (and torch.multiprocessing) with neuron tensors.
+
+    - Sending one to another process goes through `reduce`: it hands over the host buffer (CPU
+      tensors travel in shared memory) and a call that wraps it on the device again there.
+      Without it the tensor would pickle as for torch.save, whose rebuild leaves to map_location.
+    - default_collate, in a worker, stacks tensors into a shared-memory storage that it allocates
+      on the tensor's device: a pure-Python device has no allocator there, and PyTorch crashes in
+      C++. Ours stack normally; the batch then travels as above.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    ForkingPickler.register(tensor_type, reduce)
+    default_collate_fn_map[tensor_type] = _stack_batch
+
+
+def fork_safely(device) -> None:
+    """DataLoader workers are forked, typically inside an engine block. The child inherits the
+    engine's dispatch mode but not its threads (the lazy engine compiles on one), so a lazy op in
+    the child would wait forever. Pending lazy work is computed before the fork, and the child, a
+    data-loading process, runs its device ops eagerly: the engine's modes are dropped there."""
+    os.register_at_fork(before=device.synchronize, after_in_child=_drop_engine_modes)
+
+
+def _drop_engine_modes() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    kept = [mode for mode in _get_current_dispatch_mode_stack()
+            if not type(mode).__module__.startswith(_PACKAGE)]
+    while _get_current_dispatch_mode_stack():
+        _pop_mode()
+    for mode in kept:
+        _push_mode(mode)
+
+
+def _stack_batch(batch, *, collate_fn_map=None):
+    return torch.stack(batch, 0)
+
+
+_pinning_library = None
+
+
+def treat_host_memory_as_pinned(device_type: str) -> None:
+    """`pin_memory=True` DataLoaders and `t.pin_memory()` with this device as the accelerator.
+
+    Pinned (page-locked) host memory exists so that a device's DMA engines can read it; the
+    simulated device reads any host memory, so for it every CPU tensor counts as pinned and
+    pin_memory() returns the tensor itself. Without this, PyTorch asks the PrivateUse1 hooks for a
+    pinned-memory allocator, which a pure-Python backend cannot provide (NotImplementedError).
+    Questions about another device go to PyTorch's own kernel.
+    """
+    global _pinning_library
+    if _pinning_library is not None:
+        return
+    own_kernel = torch.library.get_kernel("aten::is_pinned", "CPU")
+
+    def is_pinned(keyset, tensor, device=None):
+        if device is None:
+            accelerator = torch.accelerator.current_accelerator()
+            target = accelerator.type if accelerator is not None else None
+        else:
+            target = torch.device(device).type
+        if target == device_type:
+            return True
+        return own_kernel.call_boxed(keyset, tensor, device)
+
+    _pinning_library = torch.library.Library("aten", "IMPL")
+    _pinning_library.impl("is_pinned", is_pinned, "CPU", with_keyset=True)
 
 
 def allow_loading(*callables) -> None:

@@ -55,6 +55,11 @@ class HBM:
             if self.in_use > self.peak:
                 self.peak = self.in_use
 
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """Whether `storage` (a host storage) is counted, i.e. is the buffer of a device tensor."""
+        ref = self._live.get(storage._cdata)
+        return ref is not None and ref() is storage
+
     def _release_ref(self, ref: _StorageRef) -> None:
         with self._lock:
             if self._live.get(ref.key) is ref:  # not a newer storage that reused the address

@@ -41,7 +41,8 @@ def _check(device) -> None:
             raise DeviceError(f"expected a neuron device ('neuron' or 'neuron:0'); got {device!r}")
         index = parsed.index
     if index not in (None, 0):
-        raise DeviceError(f"neuron:{index} does not exist: tilewise simulates one NeuronCore, neuron:0")
+        raise DeviceError(f"neuron error: invalid device ordinal neuron:{index} "
+                          "(torch.neuron.device_count() == 1): tilewise simulates one NeuronCore, neuron:0")
 
 
 def set_device(device) -> None:

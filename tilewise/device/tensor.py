@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
+from ..errors import DeviceError
 from .runtime import DEVICE
+from .serialization import bound_for_device
 
 NEURON = torch.device("neuron", 0)
 
@@ -80,6 +82,10 @@ class NeuronTensor(torch.Tensor):
         if not isinstance(new, NeuronTensor):
             raise TypeError(f"a neuron tensor's .data must be a neuron tensor; got one on {new.device}. "
                             "Move it first: param.data = value.to('neuron')")
+        # A tensor the lazy engine has yet to compute has an unfilled buffer, which the engine may
+        # skip filling once `new` (its only wrapper) is gone: compute it first.
+        if DEVICE.lazy_pending:
+            DEVICE.synchronize()
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
         # The buffer may still be pending in a lazy segment, which learns whether anyone holds it
@@ -94,9 +100,27 @@ class NeuronTensor(torch.Tensor):
         return _rebuild, (self._data.detach(), self.requires_grad)
 
 
+def reduce_for_process(tensor: NeuronTensor):
+    """How torch.multiprocessing sends a neuron tensor: its host buffer (shared memory), wrapped
+    again on the receiving side whatever happens to the buffer's storage there."""
+    if DEVICE.lazy_pending:
+        DEVICE.synchronize()
+    return _rebuild_received, (tensor._data.detach(), tensor.requires_grad)
+
+
 def wrap(data: torch.Tensor) -> NeuronTensor:
     """Make the device tensor whose HBM buffer is `data` (a host tensor). Hot path: keep it lean."""
-    _track(data)  # first: an OOM must leave nothing half made
+    try:
+        _track(data)  # first: an OOM must leave nothing half made
+    except (NotImplementedError, RuntimeError):
+        if data.layout is torch.strided and not data.is_nested:
+            raise
+        raise DeviceError(f"neuron tensors are dense (strided) only: cannot make a {data.layout} "
+                          f"{'nested ' if data.is_nested else ''}tensor on neuron; use a dense one "
+                          "(e.g. .to_dense())") from None
+    if data.is_quantized:
+        raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
+                          "neuron; use .dequantize() first")
     tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
                            storage_offset=data.storage_offset(), dtype=data.dtype, device=NEURON)
     tensor._data = data
@@ -115,8 +139,16 @@ def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
 _track = DEVICE.hbm.track
 
 
-def _rebuild(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
+def _rebuild_received(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
     tensor = wrap(data)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _rebuild(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """torch.load's half of __reduce_ex__: a device tensor unless map_location sent it elsewhere."""
+    tensor = wrap(data) if bound_for_device(data) else data
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor

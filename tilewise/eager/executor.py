@@ -120,6 +120,8 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan) -> torch.Tensor:
         return arg._data
     # PyTorch lets a 0-dim CPU tensor stand in for a scalar next to device tensors; so do we.
     if arg.device.type == "cpu" and (arg.dim() == 0 or plan.cross_device):
+        if arg.layout is not torch.strided or arg.is_quantized or arg.is_nested:
+            raise DeviceError(not_dense_message(arg, plan.name))
         return arg
     raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
                       f"devices, neuron:0 and {arg.device}! (in {plan.name})")
@@ -137,15 +139,26 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: list) -> tuple[dict, boo
         elif type(value) is list or type(value) is tuple:
             value = _unwrap(value, plan, traffic)
         host[key] = value
+    layout = kwargs.get("layout")
+    if layout is not None and layout is not torch.strided and not to_host:
+        raise DeviceError(f"neuron tensors are dense (strided) only: cannot make a {layout} tensor on neuron "
+                          f"(in {plan.name}); make a dense one (layout=torch.strided)")
     return host, to_host
 
 
 def check_device(device) -> torch.device:
     device = torch.device(device) if not isinstance(device, torch.device) else device
     if device.type == "neuron" and device.index not in (None, 0):
-        raise DeviceError(f"{device} does not exist: tilewise simulates one NeuronCore, "
-                          f"neuron:0 (torch.neuron.device_count() == 1)")
+        # CUDA's words ("CUDA error: invalid device ordinal"), and what exists instead.
+        raise DeviceError(f"neuron error: invalid device ordinal {device} (torch.neuron.device_count() == 1): "
+                          "tilewise simulates one NeuronCore, neuron:0")
     return device
+
+
+def not_dense_message(tensor: torch.Tensor, op_name: str) -> str:
+    kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested else str(tensor.layout))
+    return (f"neuron tensors are dense (strided) only: cannot put a {kind} tensor on neuron (in {op_name}); "
+            "convert it first (e.g. .to_dense(), .dequantize(), or one tensor per nested component)")
 
 
 def _wrap_outputs(out):
