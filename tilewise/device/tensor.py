@@ -82,10 +82,6 @@ class NeuronTensor(torch.Tensor):
         if not isinstance(new, NeuronTensor):
             raise TypeError(f"a neuron tensor's .data must be a neuron tensor; got one on {new.device}. "
                             "Move it first: param.data = value.to('neuron')")
-        # A tensor the lazy engine has yet to compute has an unfilled buffer, which the engine may
-        # skip filling once `new` (its only wrapper) is gone: compute it first.
-        if DEVICE.lazy_pending:
-            DEVICE.synchronize()
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
         # The buffer may still be pending in a lazy segment, which learns whether anyone holds it
