@@ -212,7 +212,7 @@ def test_bad_environment_values_are_rejected(monkeypatch, env, value, allowed):
 
 
 def test_config_patch_sets_and_restores_and_unknown_setting_is_named():
-    with tilewise.config.patch(mode="EAGER ", threshold="5"):
+    with tilewise.config.patch(mode="EAGER ", threshold=5):
         assert tilewise.config.mode == "eager" and tilewise.config.threshold == 5
     assert tilewise.config.threshold == 3
     with pytest.raises(tilewise.ConfigError, match="known: mode"):
