@@ -33,7 +33,6 @@ import warnings
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-MINIMISED_PER_CLASS = 1
 
 
 def failure_class(message: str) -> str:
@@ -45,7 +44,12 @@ def failure_class(message: str) -> str:
     return re.sub(r"\d+", "#", first)[:160]
 
 
-def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, features) -> dict:
+class _OutOfTime(Exception):
+    """The --minutes budget is spent: stop drawing programs."""
+
+
+def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, features, minutes: float,
+               minimise: int) -> dict:
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -61,6 +65,8 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
               suppress_health_check=list(HealthCheck))
     @given(fuzzing.programs(max_ops=max_ops, features=features))
     def one(program):
+        if time.perf_counter() - started > minutes * 60:
+            raise _OutOfTime
         if not fuzzing.runs_on_cpu(program):
             counts["rejected"] += 1
             reject()
@@ -76,12 +82,15 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
             print(f"[seed {seed}] {counts['tried']} programs, {counts['mismatches']} mismatches, "
                   f"{counts['errors']} errors, {time.perf_counter() - started:.0f} s", flush=True)
 
-    one()
+    try:
+        one()
+    except _OutOfTime:
+        print(f"[seed {seed}] --minutes {minutes:g} spent after {counts['tried']} programs", flush=True)
     minimised, per_class = [], collections.Counter()
     for kind, program, message in counts.pop("failures"):
         key = failure_class(message)
         per_class[key] += 1
-        if per_class[key] > MINIMISED_PER_CLASS:
+        if per_class[key] > 1 or len(minimised) >= minimise:  # one program per class, `minimise` at most
             continue
         fails = lambda p: _failure(p, features) == key  # noqa: E731  (the same class, not any failure)
         if fails(program):
@@ -131,6 +140,10 @@ def main() -> int:
     parser.add_argument("--features", default="all", help="areas to fuzz, comma separated, or all/none "
                         "(default all)")
     parser.add_argument("--without", default="", help="areas to leave out, comma separated")
+    parser.add_argument("--minimise", type=int, default=20,
+                        help="failure classes to minimise per worker (default 20; the rest are counted)")
+    parser.add_argument("--minutes", type=float, default=float("inf"),
+                        help="stop drawing programs after this many minutes (then minimise and report)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.programs < 1 or args.workers < 1 or args.max_ops < 1 or args.progress < 1:
@@ -146,11 +159,13 @@ def main() -> int:
     print(f"areas: {', '.join(features.names()) or 'none (the first fuzzer)'}", flush=True)
     started = time.perf_counter()
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args.programs, args.seed, args.max_ops, args.progress, features)),
-              flush=True)
+        result = run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
+                            args.minimise)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.workers == 1:
-        results = [run_worker(args.programs, args.seed, args.max_ops, args.progress, features)]
+        results = [run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
+                            args.minimise)]
     else:
         results = _run_workers(args, features)
     total = {key: sum(r[key] for r in results) for key in ("tried", "rejected", "mismatches", "errors", "compiles")}
@@ -179,7 +194,8 @@ def _run_workers(args, features) -> list[dict]:
     share = -(-args.programs // args.workers)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--programs", str(share),
                                "--seed", str(args.seed + i), "--max-ops", str(args.max_ops),
-                               "--progress", str(args.progress), "--features", ",".join(features.names())],
+                               "--progress", str(args.progress), "--features", ",".join(features.names()),
+                               "--minutes", str(args.minutes), "--minimise", str(args.minimise)],
                               stdout=subprocess.PIPE, text=True)
              for i in range(args.workers)]
     results = []
