@@ -10,8 +10,13 @@ an op spec whose line raises on the CPU is drawn again, so the programs it retur
 (shape errors, dtype promotion errors and autograd's in-place checks are weeded out there, never
 in the differential check). `check()` runs the program `ITERATIONS` times per mode inside one
 `tilewise.engine(threshold=2)` block, with new input values each time, so regions warm up, compile
-and are then served from the cache; every output, its dtype and shape, and every input gradient
-must equal the CPU's.
+and are then served from the cache; every output, its dtype and shape, every input gradient and
+every input's final value (written in place, or given new `.data`) must equal the CPU's.
+
+`Features` switches the newer areas on one by one (scripts/fuzz.py --features/--without), so a
+long run can leave out an area whose engine fix is pending: `.data` assignment, set_/copy_,
+swap_tensors, views of one base written through each other, float16/bfloat16 programs, interrupts
+injected into a flush (check_interrupted), and poisoned lazy buffers (poisoned_buffers).
 """
 from __future__ import annotations
 
