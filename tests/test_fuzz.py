@@ -122,3 +122,13 @@ def test_an_injected_interrupt_leaves_the_flush_and_the_engine_restored():
         interrupter.arm(None)
         del y
     assert (runtime._replay, regions.CompiledEntry.run) == originals
+
+
+def test_a_float64_rerun_that_cannot_run_is_no_reference():
+    """The long run once died on a program whose float64 rerun raised (a cast back to float32
+    meeting float64 values): that is a difference outside tolerance, not a crash."""
+    def cannot_run():
+        raise RuntimeError("dot : expected both vectors to have same dtype, but found Float and Double")
+
+    with pytest.raises(AssertionError, match="result 0"):
+        fuzzing.compare([torch.tensor([1.0, 2.0])], [torch.tensor([1.5, 2.0])], cannot_run)
