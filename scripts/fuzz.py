@@ -40,6 +40,9 @@ def failure_class(message: str) -> str:
     per kind of failure, to count and to minimise one of each."""
     first = message.splitlines()[0]
     first = re.sub(r"^\w+ mode, iteration \d+(, )?", "", first)
+    first = re.sub(r"in statement \d+ `.*?`", "in a statement", first)
+    first = re.sub(r"\((before|after) it\)", "(before/after it)", first)
+    first = re.sub(r"(Scalars|Tensor-likes) are not (close|equal)", "values differ", first)
     first = re.sub(r"\b[xv]\d+\b", "<value>", first)
     return re.sub(r"\d+", "#", first)[:160]
 
