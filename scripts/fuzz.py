@@ -1,29 +1,58 @@
 """Long differential fuzz run: random programs on CPU and on `neuron` in eager, adaptive and compiled
 mode (tests/fuzzing.py), counting programs tried, mismatches and errors.
 
-    python scripts/fuzz.py                          # 10,000 programs, one process
+    python scripts/fuzz.py                          # 10,000 programs, one process, every area
     python scripts/fuzz.py --programs 2000 --workers 2 --seed 7 --failures fuzz_failures.txt
+    python scripts/fuzz.py --without interrupts,swap  # leave out areas whose engine fix is pending
+    python scripts/fuzz.py --features none          # the first fuzzer's programs only
+
+Areas (tests/fuzzing.py Features): data (`.data =` on pending values), set_copy, swap
+(torch.utils.swap_tensors), aliases (views of one base written through each other), half (float16
+and bfloat16 programs), interrupts (KeyboardInterrupt inside a flush, then every value read),
+poison (lazily made buffers start as NaN/sentinel).
 
 A mismatch is a program whose device results differ from the CPU's (values, dtype, shape); an error
-is one the CPU runs and the device raises on. Each one is minimised (lines and outputs dropped
-while it still fails) and printed as a `Program(...)` to paste into tests/test_fuzz_regressions.py.
-Exit status 1 when anything failed.
+is one the CPU runs and the device raises on. Failures are grouped into classes by their message;
+the first few of each class are minimised (lines and outputs dropped while it still fails) and
+printed as a `Program(...)` to paste into tests/test_fuzz_regressions.py. Exit status 1 when
+anything failed. The script tests the checkout it sits in (its root goes first on sys.path).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def run_worker(programs: int, seed: int, max_ops: int, progress_every: int) -> dict:
+def failure_class(message: str) -> str:
+    """What a failure says, without its mode, iteration, step numbers and value names: one key
+    per kind of failure, to count and to minimise one of each."""
+    first = message.splitlines()[0]
+    first = re.sub(r"^\w+ mode, iteration \d+(, )?", "", first)
+    first = re.sub(r"in statement \d+ `.*?`", "in a statement", first)
+    first = re.sub(r"\((before|after) it\)", "(before/after it)", first)
+    first = re.sub(r"(Scalars|Tensor-likes) are not (close|equal)", "values differ", first)
+    first = re.sub(r"\b[xv]\d+\b", "<value>", first)
+    return re.sub(r"\d+", "#", first)[:160]
+
+
+class _OutOfTime(Exception):
+    """The --minutes budget is spent: stop drawing programs."""
+
+
+def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, features, minutes: float,
+               minimise: int) -> dict:
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -37,14 +66,16 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int) -> d
     @hypothesis_seed(seed)
     @settings(max_examples=programs, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(fuzzing.programs(max_ops=max_ops))
+    @given(fuzzing.programs(max_ops=max_ops, features=features))
     def one(program):
+        if time.perf_counter() - started > minutes * 60:
+            raise _OutOfTime
         if not fuzzing.runs_on_cpu(program):
             counts["rejected"] += 1
             reject()
         counts["tried"] += 1
         try:
-            fuzzing.check(program)
+            fuzzing.check(program, features=features)
         except fuzzing.Mismatch as failure:
             kind = "errors" if failure.raised else "mismatches"
             counts[kind] += 1
@@ -54,38 +85,48 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int) -> d
             print(f"[seed {seed}] {counts['tried']} programs, {counts['mismatches']} mismatches, "
                   f"{counts['errors']} errors, {time.perf_counter() - started:.0f} s", flush=True)
 
-    one()
-    minimised = []
+    try:
+        one()
+    except _OutOfTime:
+        print(f"[seed {seed}] --minutes {minutes:g} spent after {counts['tried']} programs", flush=True)
+    minimised, per_class = [], collections.Counter()
     for kind, program, message in counts.pop("failures"):
-        if _fails(program):
-            small = fuzzing.minimise(program, _fails)
-            minimised.append({"kind": kind, "program": repr(small), "message": _message(small)})
+        key = failure_class(message)
+        per_class[key] += 1
+        if per_class[key] > 1 or len(minimised) >= minimise:  # one program per class, `minimise` at most
+            continue
+        fails = lambda p: _failure(p, features) == key  # noqa: E731  (the same class, not any failure)
+        if fails(program):
+            small = fuzzing.minimise(program, fails)
+            minimised.append({"kind": kind, "class": key, "program": repr(small), "message": _message(small, features)})
         else:  # fails only after the programs before it: kept whole, with what it said then
-            minimised.append({"kind": kind, "program": repr(program), "message": "fails only after earlier "
-                              "programs (passes on fresh caches); first failure:\n" + message})
+            minimised.append({"kind": kind, "class": key, "program": repr(program), "message": "fails only after "
+                              "earlier programs (passes on fresh caches); first failure:\n" + message})
     counts["failures"] = minimised
+    counts["classes"] = dict(per_class)
     counts["seconds"] = time.perf_counter() - started
     counts["compiles"] = tilewise.stats().compiles
     return counts
 
 
-def _fails(program) -> bool:
+def _failure(program, features) -> str | None:
+    """The class of the program's failure on fresh caches, or None when it passes."""
     import fuzzing
     import tilewise
     tilewise.reset_caches()
     try:
-        fuzzing.check(program)
-    except fuzzing.Mismatch:
-        return True
-    return False
+        fuzzing.check(program, features=features)
+    except fuzzing.Mismatch as failure:
+        return failure_class(str(failure))
+    return None
 
 
-def _message(program) -> str:
+def _message(program, features) -> str:
     import fuzzing
     import tilewise
     tilewise.reset_caches()
     try:
-        fuzzing.check(program)
+        fuzzing.check(program, features=features)
     except fuzzing.Mismatch as failure:
         return str(failure).splitlines()[0]
     return "passes after tilewise.reset_caches(): depends on what ran before it"
@@ -99,24 +140,49 @@ def main() -> int:
     parser.add_argument("--max-ops", type=int, default=8, help="op specs per program at most")
     parser.add_argument("--progress", type=int, default=250, help="print progress every N programs")
     parser.add_argument("--failures", default=None, help="also write the minimised failures to this file")
+    parser.add_argument("--features", default="all", help="areas to fuzz, comma separated, or all/none "
+                        "(default all)")
+    parser.add_argument("--without", default="", help="areas to leave out, comma separated")
+    parser.add_argument("--minimise", type=int, default=20,
+                        help="failure classes to minimise per worker (default 20; the rest are counted)")
+    parser.add_argument("--minutes", type=float, default=float("inf"),
+                        help="stop drawing programs after this many minutes (then minimise and report)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.programs < 1 or args.workers < 1 or args.max_ops < 1 or args.progress < 1:
         parser.error("--programs, --workers, --max-ops and --progress must be >= 1")
 
+    import fuzzing
+    try:
+        features = fuzzing.Features.parse(args.features)
+        left_out = fuzzing.Features.parse(args.without)
+    except ValueError as error:
+        parser.error(str(error))
+    features = dataclasses.replace(features, **{name: False for name in left_out.names()})
+    print(f"areas: {', '.join(features.names()) or 'none (the first fuzzer)'}", flush=True)
     started = time.perf_counter()
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args.programs, args.seed, args.max_ops, args.progress)), flush=True)
+        result = run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
+                            args.minimise)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.workers == 1:
-        results = [run_worker(args.programs, args.seed, args.max_ops, args.progress)]
+        results = [run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
+                            args.minimise)]
     else:
-        results = _run_workers(args)
+        results = _run_workers(args, features)
     total = {key: sum(r[key] for r in results) for key in ("tried", "rejected", "mismatches", "errors", "compiles")}
     failures = [f for r in results for f in r["failures"]]
     seconds = time.perf_counter() - started
     for failure in failures:
         print(f"\n=== {failure['kind'][:-1]}: {failure['message']}\n{failure['program']}")
+    classes = collections.Counter()
+    for r in results:
+        classes.update(r["classes"])
+    if classes:
+        print("\nfailure classes (programs):")
+        for key, count in classes.most_common():
+            print(f"  {count:6d}  {key}")
     if args.failures:
         with open(args.failures, "w") as f:
             json.dump(failures, f, indent=1)
@@ -127,11 +193,13 @@ def main() -> int:
     return 1 if failures else 0
 
 
-def _run_workers(args) -> list[dict]:
+def _run_workers(args, features) -> list[dict]:
     share = -(-args.programs // args.workers)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--programs", str(share),
                                "--seed", str(args.seed + i), "--max-ops", str(args.max_ops),
-                               "--progress", str(args.progress)], stdout=subprocess.PIPE, text=True)
+                               "--progress", str(args.progress), "--features", ",".join(features.names()),
+                               "--minutes", str(args.minutes), "--minimise", str(args.minimise)],
+                              stdout=subprocess.PIPE, text=True)
              for i in range(args.workers)]
     results = []
 

@@ -187,3 +187,108 @@ def test_float32_results_judged_against_float64_like_bfloat16_ones():
                'v5 = v3 * (torch.arange(8, device=v3.device) % 3)'],
         outputs=['v0', 'v5'],
     ))
+
+
+# -- the new areas (tests/fuzzing.py Features), December 2026 --------------------------------------
+# Strict xfails are engine bugs the fuzzer found and reported, fixed in tilewise/adaptive in
+# parallel: once a fix lands, its test passes, strict xfail turns that into a failure, and the
+# mark goes.
+DATA = fuzzing.Features.parse("data,poison")
+
+
+def test_data_assigned_a_computed_value_of_itself():
+    """`t.data = t * 3`: the product is pending when it becomes t's data."""
+    fuzzing.check(Program(inputs=[((4, 4), 'float32', False)], lines=['x0.data = x0 * 3'], outputs=['x0']),
+                  features=DATA)
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: a pending value that becomes another tensor's .data "
+                   "is no region output (its own wrapper died), so the compiled region never writes it")
+def test_ema_written_through_data_on_a_pending_value():
+    """`ema.data = ema.data * 0.9 + 0.1 * x`: adaptive (after warm-up) and compiled runs leave the
+    input's new data unwritten (NaN with poisoned buffers, stale memory without)."""
+    fuzzing.check(Program(
+        inputs=[((4, 4), 'float32', False), ((4, 4), 'float32', False)],
+        lines=['x0.data = x0.data * 0.9 + 0.1 * x1', 'v0 = x1 * 1'],
+        outputs=['v0'],
+    ), features=DATA)
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: as the EMA above, for an SGD step on a leaf")
+def test_sgd_step_through_data_after_backward():
+    fuzzing.check(Program(
+        inputs=[((4, 4), 'float32', True)],
+        lines=['(x0 * x0).sum().backward(); x0.data = x0.data - 0.1 * x0.grad; x0.grad = None', 'v0 = x0 * 1'],
+        outputs=['v0'],
+    ), features=DATA)
+
+
+@pytest.mark.xfail(strict=True, reason="device bug: set_(source) on an empty tensor is refused as growing "
+                   "in place ('to (0,) from (0,)'), in every mode")
+def test_set_of_an_empty_tensor_to_a_pending_value():
+    fuzzing.check(Program(
+        inputs=[((3,), 'float32', False)],
+        lines=['v0 = torch.empty(0, dtype=x0.dtype, device=x0.device); v0.set_(x0 + 1)'],
+        outputs=['v0'],
+    ), features=fuzzing.Features.parse("set_copy,poison"))
+
+
+def test_copy_keeps_the_value_its_pending_source_had():
+    fuzzing.check(Program(
+        inputs=[((4, 4), 'float32', False)],
+        lines=['v0 = torch.empty_like(x0); v0.copy_(x0); x0.mul_(-1.5)'],
+        outputs=['v0'],
+    ), features=fuzzing.Features.parse("set_copy,poison"))
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: the lazy segment holds a weakref to each pending "
+                   "result's wrapper, and swap_tensors refuses tensors with weakrefs (adaptive, compiled)")
+def test_swap_tensors_of_two_pending_values():
+    fuzzing.check(Program(
+        inputs=[((4, 4), 'float32', False)],
+        lines=['v0 = x0 * 2; v1 = x0 + 1; torch.utils.swap_tensors(v0, v1)'],
+        outputs=['v0', 'v1'],
+    ), features=fuzzing.Features.parse("swap,poison"))
+
+
+def test_views_of_one_base_written_through_each_other():
+    """as_strided, view, unsqueeze and a strided slice of one base, written in place through three
+    of them across a flush, read through all of them."""
+    fuzzing.check(Program(
+        inputs=[((8, 5), 'float32', False)],
+        lines=['v0 = torch.tanh(x0)',
+               'v1 = (v0 * 1).contiguous(); v2 = v1.view(-1)[1::2]; v3 = v1.unsqueeze(0); '
+               'v4 = v3.as_strided((13, 3), (3, 1), 1); v3.add_(0.5); tilewise.sync(); v4.mul_(-1.5); '
+               'v2.clamp_(max=0.5); v5 = torch.cat([v1.reshape(-1), v2.reshape(-1), v3.reshape(-1), v4.reshape(-1)])'],
+        outputs=['v5'],
+    ), features=fuzzing.Features.parse("aliases,poison"))
+
+
+def test_float16_program():
+    fuzzing.check(Program(
+        inputs=[((5, 129), 'float16', True), ((129,), 'float16', False)],
+        lines=['v0 = torch.softmax(x0 * x1, dim=-1)', 'v1 = v0.sum(dim=0, keepdim=False)', 'v2 = v1.to(torch.float32)'],
+        outputs=['v0', 'v2'],
+    ), features=fuzzing.Features.parse("half,poison"))
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: a flush swaps in a new segment before it runs the old "
+                   "one, so a KeyboardInterrupt inside it drops the nodes not yet run; their values stay "
+                   "unwritten (NaN with poisoned buffers) and are never computed")
+def test_interrupt_inside_a_flush_leaves_no_unwritten_value():
+    fuzzing.check(Program(inputs=[((4, 4), 'float32', False)], lines=['v0 = torch.neg(x0)'], outputs=['v0']),
+                  features=fuzzing.Features.parse("interrupts,poison"))
+
+
+@pytest.mark.xfail(strict=True, reason="engine/device bug: the gradient through an as_strided view of an "
+                   "as_strided view, after an in-place write to their base, differs from the CPU's in "
+                   "every mode, eager included (x0.grad[0, 1]); without the add_ it matches")
+def test_gradient_through_as_strided_of_as_strided_after_a_write_to_the_base():
+    """v7 reaches storage outside v6 (elements 0..2 from a view of elements 0 and 2), so autograd
+    replays the views on the base after add_ (CopySlices)."""
+    fuzzing.check(Program(
+        inputs=[((1, 3), 'float32', True)],
+        lines=['v5 = x0 * 1; v6 = v5.as_strided((2, 1), (2, 1), 0); v7 = v6.as_strided((1, 3), (6, 1), 0); '
+               'v5.add_(2.0)'],
+        outputs=['v7'],
+    ), modes=("eager",), iterations=1)
