@@ -245,8 +245,10 @@ class poisoned_buffers:
 # -- interrupts ------------------------------------------------------------------------------------
 class Interrupter:
     """Counts the engine's steps at a flush (a recorded node replayed, a compiled region run) and,
-    when armed, raises KeyboardInterrupt at step `at`, before that step runs or just after it.
-    Wraps runtime._replay and CompiledEntry.run from outside (the engine is not edited)."""
+    when armed, raises KeyboardInterrupt before step `at` runs or just after it. "Just after" is
+    between that step and the next: a Ctrl-C is only delivered between a flush's steps
+    (adaptive/interrupts.py), never after a step's work and before its return, so it fires as the
+    next step starts. Wraps runtime._replay and CompiledEntry.run from outside."""
 
     def __init__(self):
         self.steps, self.at, self.before, self.fired = 0, None, True, False
@@ -257,12 +259,9 @@ class Interrupter:
     def _step(self, original, *args):
         step = self.steps
         self.steps += 1
-        if step == self.at and self.before:
+        if self.at is not None and step == (self.at if self.before else self.at + 1):
             self._fire()
-        result = original(*args)
-        if step == self.at and not self.before:
-            self._fire()
-        return result
+        return original(*args)
 
     def _fire(self):
         self.fired = True

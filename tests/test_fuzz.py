@@ -77,14 +77,10 @@ def _area_programs_match_cpu(features: fuzzing.Features) -> None:
 
 # Strict xfails: engine bugs reported (tests/test_fuzz_regressions.py has their minimal programs);
 # a fix makes the test pass, strict turns that into a failure, and the mark goes.
-_SWAP_BUG = pytest.mark.xfail(strict=True, reason="engine bug: swap_tensors refuses pending values "
-                              "(the lazy segment holds weakrefs to their wrappers)")
-_INTERRUPT_BUG = pytest.mark.xfail(strict=True, reason="engine bug: a KeyboardInterrupt inside a flush "
-                                   "drops the segment's remaining nodes; their values stay unwritten")
 
 
-@pytest.mark.parametrize("area", ["data", "set_copy", pytest.param("swap", marks=_SWAP_BUG), "aliases", "half",
-                                  pytest.param("interrupts", marks=_INTERRUPT_BUG)])
+@pytest.mark.parametrize("area", ["data", "set_copy", "swap", "aliases", "half",
+                                  "interrupts"])
 def test_programs_of_each_new_area_match_cpu(area):
     """A few derandomized programs per area, with poisoned lazy buffers."""
     _area_programs_match_cpu(fuzzing.Features.parse(f"{area},poison"))

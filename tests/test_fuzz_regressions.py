@@ -190,9 +190,8 @@ def test_float32_results_judged_against_float64_like_bfloat16_ones():
 
 
 # -- the new areas (tests/fuzzing.py Features), December 2026 --------------------------------------
-# Strict xfails are engine bugs the fuzzer found and reported, fixed in tilewise/adaptive in
-# parallel: once a fix lands, its test passes, strict xfail turns that into a failure, and the
-# mark goes.
+# Strict xfails are bugs the fuzzer found that are still open: once a fix lands, its test passes,
+# strict xfail turns that into a failure, and the mark goes.
 DATA = fuzzing.Features.parse("data,poison")
 
 
@@ -202,11 +201,10 @@ def test_data_assigned_a_computed_value_of_itself():
                   features=DATA)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a pending value that becomes another tensor's .data "
-                   "is no region output (its own wrapper died), so the compiled region never writes it")
 def test_ema_written_through_data_on_a_pending_value():
-    """`ema.data = ema.data * 0.9 + 0.1 * x`: adaptive (after warm-up) and compiled runs leave the
-    input's new data unwritten (NaN with poisoned buffers, stale memory without)."""
+    """`ema.data = ema.data * 0.9 + 0.1 * x`: adaptive (after warm-up) and compiled runs left the
+    input's new data unwritten, as the product's own wrapper died. Fixed: the buffer's holder token
+    travels with `.data` (adaptive/segment.py _Holder)."""
     fuzzing.check(Program(
         inputs=[((4, 4), 'float32', False), ((4, 4), 'float32', False)],
         lines=['x0.data = x0.data * 0.9 + 0.1 * x1', 'v0 = x1 * 1'],
@@ -214,7 +212,6 @@ def test_ema_written_through_data_on_a_pending_value():
     ), features=DATA)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: as the EMA above, for an SGD step on a leaf")
 def test_sgd_step_through_data_after_backward():
     fuzzing.check(Program(
         inputs=[((4, 4), 'float32', True)],
@@ -241,8 +238,6 @@ def test_copy_keeps_the_value_its_pending_source_had():
     ), features=fuzzing.Features.parse("set_copy,poison"))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: the lazy segment holds a weakref to each pending "
-                   "result's wrapper, and swap_tensors refuses tensors with weakrefs (adaptive, compiled)")
 def test_swap_tensors_of_two_pending_values():
     fuzzing.check(Program(
         inputs=[((4, 4), 'float32', False)],
@@ -272,9 +267,6 @@ def test_float16_program():
     ), features=fuzzing.Features.parse("half,poison"))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a flush swaps in a new segment before it runs the old "
-                   "one, so a KeyboardInterrupt inside it drops the nodes not yet run; their values stay "
-                   "unwritten (NaN with poisoned buffers) and are never computed")
 def test_interrupt_inside_a_flush_leaves_no_unwritten_value():
     fuzzing.check(Program(inputs=[((4, 4), 'float32', False)], lines=['v0 = torch.neg(x0)'], outputs=['v0']),
                   features=fuzzing.Features.parse("interrupts,poison"))
