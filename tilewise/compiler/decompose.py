@@ -42,7 +42,26 @@ def decomposition_table() -> dict:
     table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
     table.update({aten.sum.dim_IntList: _sum_last_dim_first, aten.mean.default: _mean_as_sum,
                   aten.mean.dim: _mean_as_sum})
-    return table
+    return {op: _whole_for_16_bit(decomposition) for op, decomposition in table.items()}
+
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _whole_for_16_bit(decomposition):
+    """The decomposition, except for an op that reads a bfloat16 or float16 tensor: that op stays
+    whole, so the region runs CPU's kernel for it. CPU's 16-bit kernels upcast to float32 and round
+    once, at their own points: log_softmax rounds max + log(sum(exp)) to 16 bits before the
+    subtraction, sigmoid_backward and mse_loss_backward compute in float32 where the decompositions
+    compute in 16 bits, gelu, logsumexp, lerp and mean take other float32 paths; a decomposition
+    is one ulp off in a few percent of the elements (bitwise equal is the bar for deterministic ops)."""
+    @functools.wraps(decomposition)
+    def entry(*args, **kwargs):
+        if any(isinstance(leaf, torch.Tensor) and leaf.dtype in _SIXTEEN_BIT
+               for leaf in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented
+        return decomposition(*args, **kwargs)
+    return entry
 
 
 def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
