@@ -76,6 +76,12 @@ KNOWN_FAILURES: dict[str, str] = {
         "engine bug (adaptive): empty_strided with overlapping strides ((5, 5, 5), (2, 0, 1)) in a "
         "region: regions.py copies the result into the recorded output with copy_, which refuses a "
         "destination whose elements share memory") for engine in ("adaptive", "compiled")},
+    **{f"nn.functional.fractional_max_pool{d}d@{engine}": (
+        "engine bug (adaptive): a guard miss on a plan whose region was compiled before "
+        "tilewise.stats().reset() raises AttributeError: 'CompiledEntry' object has no attribute "
+        "'misses' (runtime.py _forget falls back to the entry when stats.regions no longer has it); "
+        "the sweep resets the statistics per sample and keeps the caches per op")
+       for d in (2, 3) for engine in ("adaptive", "compiled")},
     **{f"nn.functional.ctc_loss@{engine}@grad": (
         "open: the first grad sample's gradient differs from CPU in a compiled region (eager agrees); "
         "not reproduced outside the OpInfo sample yet: scripts/opinfo_sweep.py --ops "
