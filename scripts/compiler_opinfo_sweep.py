@@ -13,7 +13,9 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# this checkout's tilewise and tests, whatever tilewise is installed
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,13 @@
 """Conformance against PyTorch's OpInfo database: run each sample on CPU and on neuron, compare.
 
 Shared by tests/test_opinfo.py (a deterministic subset, in CI) and scripts/opinfo_sweep.py (every
-op, every sample). A sample's outcome is one of:
+op, every sample). Two axes: the sample's kind (float32, grad, bfloat16, float16, int64: the dtype
+of its tensors, and gradients or not) and the engine mode the neuron side runs in (eager,
+adaptive, compiled). In the lazy modes adaptive's threshold is 1, so the sample's ops are
+recorded, compiled as a region where the compiler can, and run from the compiled region at the
+first read of a result; the caches are reset before each sample (`fresh`), or by the caller (the
+sweep resets them per op, so an op's samples meet each other's cached plans and metadata, as a
+program's steps do). A sample's outcome is one of:
   PASS      neuron agrees with CPU (values, dtype, shape; gradients in grad mode)
   FAIL      neuron disagrees or raises where CPU does not
   EXCLUDED  the op is listed in tests/opinfo_exclusions.py (the reason says why)
@@ -18,16 +24,18 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-import tilewise  # noqa: F401  (registers the neuron device)
+import tilewise
 
 sys.path.insert(0, os.path.dirname(__file__))
-from opinfo_exclusions import COMPARE_METADATA_ONLY, EXCLUDED, MODES, TOLERANCES, category_of  # noqa: E402
+from opinfo_exclusions import (COMPARE_METADATA_ONLY, ENGINE_MODES, EXCLUDED, KINDS, KNOWN_FAILURES,  # noqa: E402
+                               TOLERANCES, category_of)
 
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 
 PASS, FAIL, EXCLUDED_, NOT_RUN = "pass", "fail", "excluded", "not_run"
-MODE_DTYPES = {"float32": torch.float32, "grad": torch.float32, "bfloat16": torch.bfloat16,
-               "int64": torch.int64}
+KIND_DTYPES = {"float32": torch.float32, "grad": torch.float32, "bfloat16": torch.bfloat16,
+               "float16": torch.float16, "int64": torch.int64}
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 NEURON = torch.device("neuron")
 SEED = 1234
 
@@ -40,20 +48,28 @@ def op_key(op) -> str:
 OPS = {op_key(op): op for op in op_db}
 
 
-def applies(op, mode: str) -> bool:
-    """Whether the mode is meaningful for the op on CPU (its dtype is supported, it has autograd)."""
-    if MODE_DTYPES[mode] not in op.supported_dtypes("cpu"):
+def applies(op, kind: str) -> bool:
+    """Whether the kind is meaningful for the op on CPU (its dtype is supported, it has autograd)."""
+    if KIND_DTYPES[kind] not in op.supported_dtypes("cpu"):
         return False
-    return op.supports_autograd if mode == "grad" else True
+    return op.supports_autograd if kind == "grad" else True
 
 
-def exclusion(key: str, mode: str) -> str | None:
-    """The reason the op is excluded in this mode, or None. `op@mode` entries exclude one mode."""
-    return EXCLUDED.get(f"{key}@{mode}") or EXCLUDED.get(key)
+def exclusion(key: str, kind: str, engine: str = "eager", table: dict = EXCLUDED) -> str | None:
+    """The reason the op is excluded (or, table=KNOWN_FAILURES, known to fail) for this kind in
+    this engine mode, or None."""
+    for name in (f"{key}@{engine}@{kind}", f"{key}@{kind}", f"{key}@{engine}", key):
+        if name in table:
+            return table[name]
+    return None
 
 
-def samples(op, mode: str, limit: int | None = None) -> list:
-    """The op's samples for a mode, generated under a fixed seed so every run sees the same ones.
+def known_failure(key: str, kind: str, engine: str) -> str | None:
+    return exclusion(key, kind, engine, KNOWN_FAILURES)
+
+
+def samples(op, kind: str, limit: int | None = None) -> list:
+    """The op's samples of a kind, generated under a fixed seed so every run sees the same ones.
 
     Generated on a fresh thread: PyTorch's sample tracker walks the caller's stack with
     inspect.stack() on every call, which under pytest collection costs ~60 ms a call; a new
@@ -63,7 +79,7 @@ def samples(op, mode: str, limit: int | None = None) -> list:
     def generate():
         try:
             torch.manual_seed(SEED)
-            generated = op.sample_inputs("cpu", MODE_DTYPES[mode], requires_grad=(mode == "grad"))
+            generated = op.sample_inputs("cpu", KIND_DTYPES[kind], requires_grad=(kind == "grad"))
             result.append(list(itertools.islice(generated, limit)))
         except BaseException as error:  # noqa: BLE001  (re-raised on the caller's thread)
             result.append(error)
@@ -79,6 +95,8 @@ def samples(op, mode: str, limit: int | None = None) -> list:
 class Outcome(NamedTuple):
     status: str
     message: str = ""
+    ops_compiled: int = 0        # ops that ran in a compiled region (lazy modes; compiled or cached)
+    compile_failure: str = ""    # the first "compile failed" fallback reason, if any
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,8 +159,9 @@ def _compare(actual, expected, what: str, metadata_only: bool, on_device: bool =
                 raise AssertionError(f"{what}: got {actual.dtype}{list(actual.shape)}, expected "
                                      f"{expected.dtype}{list(expected.shape)}")
             return
-        atol, rtol = tolerance[:2] if tolerance and expected.dtype in (torch.float32, torch.bfloat16) else (None, None)
-        if tolerance and expected.dtype == torch.bfloat16:
+        floats = (torch.float32, *_SIXTEEN_BIT)
+        atol, rtol = tolerance[:2] if tolerance and expected.dtype in floats else (None, None)
+        if tolerance and expected.dtype in _SIXTEEN_BIT:
             atol, rtol = atol * 100, rtol * 100
         torch.testing.assert_close(actual, expected, equal_nan=True, atol=atol, rtol=rtol,
                                    msg=lambda m: f"{what}: {m}")
@@ -171,25 +190,23 @@ def _first_line(error: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------
 # Running one sample
 
-def run_forward(op, sample) -> Outcome:
+def _expected_forward(op, sample):
+    return _run(op, (sample.input, *sample.args), sample.kwargs)
+
+
+def _check_forward(op, sample, moved, expected) -> None:
+    """Run the sample's copy on neuron, `moved`, and compare with CPU's `expected`; raises on a
+    difference."""
     metadata_only = op_key(op) in COMPARE_METADATA_ONLY
-    device_input, device_args, device_kwargs = to_neuron(sample, op_key(op))
-    try:
-        expected = _run(op, (sample.input, *sample.args), sample.kwargs)
-    except Exception as error:  # noqa: BLE001
-        return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
-    try:
-        actual = _run(op, (device_input, *device_args), device_kwargs)
-        # A factory given neither a tensor nor a device (torch.arange(3)) rightly returns a CPU tensor.
-        on_device = isinstance(sample.input, torch.Tensor) or "device" in sample.kwargs
-        _compare(actual, expected, "output", metadata_only, on_device, TOLERANCES.get(op_key(op)))
-        # In-place ops and out= write their arguments: the writes must land on the device too.
-        if not metadata_only:
-            _compare(_tensors([device_input, *device_args]), _tensors([sample.input, *sample.args]),
-                     "inputs after", False)
-    except Exception as error:  # noqa: BLE001
-        return Outcome(FAIL, _first_line(error))
-    return Outcome(PASS)
+    device_input, device_args, device_kwargs = moved
+    actual = _run(op, (device_input, *device_args), device_kwargs)
+    # A factory given neither a tensor nor a device (torch.arange(3)) rightly returns a CPU tensor.
+    on_device = isinstance(sample.input, torch.Tensor) or "device" in sample.kwargs
+    _compare(actual, expected, "output", metadata_only, on_device, TOLERANCES.get(op_key(op)))
+    # In-place ops and out= write their arguments: the writes must land on the device too.
+    if not metadata_only:
+        _compare(_tensors([device_input, *device_args]), _tensors([sample.input, *sample.args]),
+                 "inputs after", False)
 
 
 def _tensors(values) -> list:
@@ -214,41 +231,53 @@ def _grads(op, sample_input, args, kwargs, process, cotangent_device):
     return torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
 
 
-def run_grad(op, sample) -> Outcome:
-    device_input, device_args, device_kwargs = to_neuron(sample, op_key(op))
-    process = sample.output_process_fn_grad
+def _expected_grads(op, sample):
+    return _grads(op, sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad, "cpu")
+
+
+def _check_grads(op, sample, moved, expected) -> None:
+    device_input, device_args, device_kwargs = moved
+    actual = _grads(op, device_input, device_args, device_kwargs, sample.output_process_fn_grad, NEURON)
+    if actual is None:
+        raise AssertionError("no differentiable outputs on neuron")
+    _compare(list(actual), list(expected), "grad", False, tolerance=TOLERANCES.get(op_key(op)))
+
+
+def _on_engine(engine: str, fresh: bool, check, *args) -> Outcome:
+    """Run `check(*args)` inside an engine block of the given mode, from empty caches if `fresh`,
+    and say how many ops ran in compiled regions. The comparison reads the results back inside the block: that
+    read is the flush that compiles and runs the recorded ops."""
+    if fresh:
+        tilewise.reset_caches()
+    stats = tilewise.stats()
+    stats.reset()
     try:
-        expected = _grads(op, sample.input, sample.args, sample.kwargs, process, "cpu")
+        with tilewise.engine(mode=engine, threshold=1):
+            check(*args)
+        status, message = PASS, ""
+    except Exception as error:  # noqa: BLE001
+        status, message = FAIL, _first_line(error)
+    failures = [reason for (_, reason), _ in stats.fallbacks.most_common() if reason.startswith("compile failed")]
+    return Outcome(status, message, stats.ops_compiled, failures[0] if failures else "")
+
+
+def run_sample(op, sample, kind: str, engine: str = "eager", fresh: bool = True) -> Outcome:
+    """Run one sample of a kind in one engine mode. The CPU side runs first: a sample that fails on
+    CPU is not run; excluded ops still run on CPU, to know whether they count. The sample is copied
+    to neuron before: an in-place op changes the CPU sample."""
+    grad = kind == "grad"
+    moved = to_neuron(sample, op_key(op))
+    try:
+        expected = _expected_grads(op, sample) if grad else _expected_forward(op, sample)
     except Exception as error:  # noqa: BLE001
         return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
-    if expected is None:
+    if grad and expected is None:
         return Outcome(NOT_RUN, "nothing to differentiate")
-    try:
-        actual = _grads(op, device_input, device_args, device_kwargs, process, NEURON)
-        if actual is None:
-            raise AssertionError("no differentiable outputs on neuron")
-        _compare(list(actual), list(expected), "grad", False, tolerance=TOLERANCES.get(op_key(op)))
-    except Exception as error:  # noqa: BLE001
-        return Outcome(FAIL, _first_line(error))
-    return Outcome(PASS)
-
-
-def run_sample(op, sample, mode: str) -> Outcome:
-    """Run one sample in one mode; excluded ops are still run on CPU to know whether they count."""
-    reason = exclusion(op_key(op), mode)
+    reason = exclusion(op_key(op), kind, engine)
     if reason is not None:
-        try:
-            if mode == "grad":
-                if _grads(op, sample.input, sample.args, sample.kwargs,
-                          sample.output_process_fn_grad, "cpu") is None:
-                    return Outcome(NOT_RUN, "nothing to differentiate")
-            else:
-                _run(op, (sample.input, *sample.args), sample.kwargs)
-        except Exception as error:  # noqa: BLE001
-            return Outcome(NOT_RUN, f"fails on CPU: {_first_line(error)}")
         return Outcome(EXCLUDED_, reason)
-    return run_grad(op, sample) if mode == "grad" else run_forward(op, sample)
+    return _on_engine(engine, fresh, _check_grads if grad else _check_forward, op, sample, moved, expected)
 
 
-__all__ = ["EXCLUDED", "FAIL", "MODES", "NOT_RUN", "OPS", "Outcome", "PASS", "applies", "category_of",
-           "exclusion", "op_key", "run_sample", "samples"]
+__all__ = ["ENGINE_MODES", "EXCLUDED", "FAIL", "KINDS", "NOT_RUN", "known_failure", "OPS", "Outcome", "PASS", "applies",
+           "category_of", "exclusion", "op_key", "run_sample", "samples"]

@@ -40,9 +40,31 @@ _FUSE_THROUGH = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_sof
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
-    table.update({aten.sum.dim_IntList: _sum_last_dim_first, aten.mean.default: _mean_as_sum,
-                  aten.mean.dim: _mean_as_sum})
+    table = {op: _whole_for_16_bit(decomposition) for op, decomposition in table.items()}
+    # ours round as CPU's kernels do: accumulate 16-bit floats in float32, round once
+    table.update({aten.sum.default: _sum_all, aten.sum.dim_IntList: _sum_last_dim_first,
+                  aten.mean.default: _mean_as_sum, aten.mean.dim: _mean_as_sum})
     return table
+
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _whole_for_16_bit(decomposition):
+    """The decomposition, except for an op that reads a bfloat16 or float16 tensor: that op stays
+    whole, so the region runs CPU's kernel for it. CPU's 16-bit kernels upcast to float32 and round
+    once, at their own points: log_softmax rounds max + log(sum(exp)) to 16 bits before the
+    subtraction, sigmoid_backward and mse_loss_backward compute in float32 where the decompositions
+    compute in 16 bits, gelu, logsumexp and lerp take other float32 paths; a decomposition is one
+    ulp off in a few percent of the elements (bitwise equal is the bar for deterministic ops). Our
+    own sum and mean decompositions round as CPU does, and are not wrapped."""
+    @functools.wraps(decomposition)
+    def entry(*args, **kwargs):
+        if any(isinstance(leaf, torch.Tensor) and leaf.dtype in _SIXTEEN_BIT
+               for leaf in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented
+        return decomposition(*args, **kwargs)
+    return entry
 
 
 def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
@@ -69,18 +91,28 @@ def _sum_last_dim_first(x, dims, keepdim=False, dtype=None):
     return total if total.dtype == out_dtype else aten._to_copy.default(total, dtype=out_dtype)
 
 
+def _sum_all(x, dtype=None):
+    """sum(x) is the sum over every dim (core ATen's decomposition, kept for 16-bit inputs too)."""
+    return aten.sum.dim_IntList(x, list(range(x.dim())), dtype=dtype)
+
+
 def _reduced(x, dims) -> list[int]:
     """The dims a sum or mean over `dims` reduces, sorted and non-negative (none given: all)."""
     return sorted({d % x.dim() for d in dims} if dims else range(x.dim())) if x.dim() else []
 
 
 def _mean_as_sum(x, dims=None, keepdim=False, dtype=None):
-    """mean = sum / count, so a mean over several dims splits like the sum (see above)."""
+    """mean = sum / count, so a mean over several dims splits like the sum (see above). A 16-bit
+    mean divides the float32 sum and rounds once, as CPU's kernel does (dividing the rounded sum
+    rounds twice)."""
     reduced = _reduced(x, dims)
-    total = _sum_last_dim_first(x, reduced, keepdim, dtype=dtype)
+    out_dtype = dtype or x.dtype
+    acc = torch.float32 if out_dtype in _SIXTEEN_BIT else out_dtype
+    total = _sum_last_dim_first(x, reduced, keepdim, dtype=acc)
     if total is NotImplemented:
         return NotImplemented
-    return aten.div.Tensor(total, math.prod(x.shape[d] for d in reduced))
+    mean = aten.div.Tensor(total, math.prod(x.shape[d] for d in reduced))
+    return mean if mean.dtype == out_dtype else aten._to_copy.default(mean, dtype=out_dtype)
 
 
 # Per-tensor ops whose scalar operand is keyword-only, while the _foreach_ form passes it positionally.
