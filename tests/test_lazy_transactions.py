@@ -229,3 +229,17 @@ def test_ctrl_c_during_the_first_compile_leaves_later_compiles_working(monkeypat
         torch.testing.assert_close((x.sigmoid() + 1).cpu(), x_cpu.sigmoid() + 1)
         torch.testing.assert_close((x.tanh() * 2).sum().cpu(), (x_cpu.tanh() * 2).sum())
     assert tilewise.stats().compiles >= 2
+
+
+def test_a_guard_miss_after_stats_reset_counts_and_recomputes():
+    x_cpu = torch.randn(6)
+    x = x_cpu.to("neuron")
+    with tilewise.engine(mode="adaptive", threshold=1):
+        for _ in range(3):
+            ((x * 2) + 1).sum().item()  # x * 2 never leaves the compiled region
+        tilewise.stats().reset()  # forgets the per-region detail, not the compiled regions
+        kept = x * 2  # now the intermediate is referenced: the cached plan's guard misses
+        total = ((kept) + 1).sum()
+        torch.testing.assert_close(total.cpu(), ((x_cpu * 2) + 1).sum())
+        torch.testing.assert_close(kept.cpu(), x_cpu * 2)
+    assert sum(tilewise.stats().guard_misses.values()) == 1, tilewise.stats().report()

@@ -27,7 +27,8 @@ from ..eager.plan import is_random, plan_of
 from ..errors import TilewiseError
 from . import analysis, interrupts
 from .caches import BoundedCache, CacheSize
-from .regions import CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage
+from .regions import (CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
+                      store)
 from .policy import Mode, Reason, Verdict, Why, on_region_miss, stable_after
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, without_floats
 from .stats import RegionStats, Stats
@@ -377,7 +378,9 @@ class Runtime:
             if kind == "region":
                 region, entry = what
                 self.regions.pop(region.key, None)
-                self.stats.regions.get(entry.name, entry).misses += 1
+                detail = self.stats.regions.get(entry.name)  # gone after a stats().reset()
+                if detail is not None:
+                    detail.misses += 1
                 for n in region.nodes:
                     self.seen.pop(segment.nodes[n].fp, None)
 
@@ -492,7 +495,7 @@ def _replay(node) -> None:
                 raise TilewiseError(
                     f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
                     f"{_layout(value)}; please report this as a tilewise bug")
-            buffer.copy_(value)
+            store(buffer, value)
 
 
 def _layout(tensor) -> str:
