@@ -36,7 +36,7 @@ import torch.nn.functional as F
 CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
 TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "tilewise compiled": "compiled"}
 # Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
-STEPS = {"mlp": (60, 4), "gpt": (30, 3), "chain": (20, 3), "seq": (40, 5)}
+STEPS = {"mlp": (60, 4), "gpt": (30, 3), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6)}
 INDUCTOR_SKIPPED = "skipped in --quick: inductor compiles for 17-40 s cold per graph here (run without --quick)"
 
 
@@ -124,11 +124,58 @@ def seq(device: str, wrap, steps: int, quick: bool):
     return step
 
 
+def readloss(device: str, wrap, steps: int, quick: bool):
+    """The MLP step with the loss read before backward(): two segments per step."""
+    from tilewise.workloads import MLP
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    forward = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [(torch.randn(64, 32), torch.randint(0, 10, (64,))) for _ in range(steps)]
+
+    def step(i: int) -> float:
+        x, y = data[i]
+        loss = F.cross_entropy(forward(x.to(device)), y.to(device))
+        value = loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return value
+
+    return step
+
+
+def cnn(device: str, wrap, steps: int, quick: bool):
+    """A small CNN with BatchNorm, SGD with momentum and a cosine learning-rate schedule."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10)).to(device)
+    forward = wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    data = [(torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))) for _ in range(steps)]
+
+    def step(i: int) -> float:
+        x, y = data[i]
+        loss = F.cross_entropy(forward(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        return loss.item()
+
+    return step
+
+
 WORKLOADS = {
     "mlp": (mlp, "MLP 32-64-10 training step, batch 64, SGD"),
     "gpt": (gpt, "TinyGPT (2 layers, dim 32, 2 heads, len 16) training step, batch 4, AdamW"),
     "chain": (chain, "GELU as 8 ops + mean/variance norm over the last dim, {rows}x1024 f32, forward"),
     "seq": (seq, "sequence classifier, batch length 5/9/12/7 in turn, Adam training step"),
+    "readloss": (readloss, "MLP 32-64-10 step reading the loss before backward(), AdamW"),
+    "cnn": (cnn, "CNN (2 conv+BatchNorm, 16 ch, 16x16) step, SGD momentum, cosine LR schedule, batch 8"),
 }
 
 

@@ -46,42 +46,7 @@ def category_of(reason: str) -> str:
 # Samples that fail for a known engine bug, reported to the layer that owns it, with a minimal
 # repro. They still run and count as failures in the sweep's pass rate; the CI tests mark them
 # expected failures (keys as in EXCLUDED: `name`, `name@kind`, `name@engine`, `name@engine@kind`).
-_UPLOAD_IN_ENGINE = (
-    "engine bug (device/eager): inside any TorchDispatchMode, so in every tilewise.engine() block, "
-    "torch.tensor(data, device='neuron') raises 'func != nullptr INTERNAL ASSERT FAILED' "
-    "(python_dispatch.cpp:1054) before any tilewise kernel runs: the factory reaches PrivateUse1 "
-    "through the boxed fallback; a kernel registered for aten.empty_strided.default and "
-    "aten.empty.memory_format (as for arange) makes it work")
-_METADATA = (
-    "engine bug (adaptive): the output metadata recorded from the meta kernel disagrees with CPU's "
-    "kernel, and the region's result is copied into it")
 KNOWN_FAILURES: dict[str, str] = {
-    **{name: _UPLOAD_IN_ENGINE for name in (
-        "__getitem__", "masked.amax", "masked.amin", "masked.argmax", "masked.argmin", "masked.cumprod",
-        "masked.cumsum", "masked.log_softmax", "masked.logaddexp", "masked.logsumexp", "masked.mean",
-        "masked.median", "masked.norm", "masked.prod", "masked.softmax", "masked.softmin", "masked.std",
-        "masked.sum", "masked.var", "signal.windows.blackman", "signal.windows.general_cosine",
-        "signal.windows.general_hamming", "signal.windows.hamming", "signal.windows.hann",
-        "signal.windows.kaiser", "signal.windows.nuttall", "unravel_index")},
-    **{f"{name}@{engine}": _METADATA + (
-        ": an eval-mode batch norm after a training one of the same shapes gets save_mean/save_invstd "
-        "of shape [C] where CPU returns [0]; in 16 bits the meta kernel says float32 where CPU's "
-        "kernel returns the input's dtype")
-       for name in ("native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update")
-       for engine in ("adaptive", "compiled")},
-    **{f"native_layer_norm@{engine}@{kind}": _METADATA + (
-        ": for a 16-bit input the meta kernel gives float32 mean/rstd, CPU's kernel the input's dtype")
-       for engine in ("adaptive", "compiled") for kind in ("bfloat16", "float16")},
-    **{f"empty_strided@{engine}": (
-        "engine bug (adaptive): empty_strided with overlapping strides ((5, 5, 5), (2, 0, 1)) in a "
-        "region: regions.py copies the result into the recorded output with copy_, which refuses a "
-        "destination whose elements share memory") for engine in ("adaptive", "compiled")},
-    **{f"nn.functional.fractional_max_pool{d}d@{engine}": (
-        "engine bug (adaptive): a guard miss on a plan whose region was compiled before "
-        "tilewise.stats().reset() raises AttributeError: 'CompiledEntry' object has no attribute "
-        "'misses' (runtime.py _forget falls back to the entry when stats.regions no longer has it); "
-        "the sweep resets the statistics per sample and keeps the caches per op")
-       for d in (2, 3) for engine in ("adaptive", "compiled")},
     **{f"nn.functional.ctc_loss@{engine}@grad": (
         "open: the first grad sample's gradient differs from CPU in a compiled region (eager agrees); "
         "not reproduced outside the OpInfo sample yet: scripts/opinfo_sweep.py --ops "
