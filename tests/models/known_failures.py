@@ -18,3 +18,33 @@ EVAL_BATCH_NORM_SAVE_MEAN = (
     "CPU but [C] from meta, so buffer.copy_(value) fails 'size of tensor a (8) must match ... b (0)'. "
     "Repro: `bn = nn.BatchNorm2d(8).eval().to('neuron'); with tilewise.engine(mode='adaptive'): "
     "bn(torch.randn(2, 8, 4, 4).to('neuron')).cpu()`")
+
+FUSED_RNN_CELLS = (
+    "eager executor (device layer, also outside any engine): PyTorch's composite lstm/gru take the fused "
+    "cell path for PrivateUse1 inputs (as for CUDA) and call aten._thnn_fused_lstm_cell / "
+    "_thnn_fused_gru_cell, which the executor runs on the host CPU, where they have no kernel "
+    "(NotImplementedError 'Could not run ... from the CPU backend'); torch._decomp has no decomposition "
+    "for them. Repro: `nn.LSTM(2, 3).to('neuron')(torch.randn(4, 2).to('neuron'))` (GRU, LSTMCell, "
+    "GRUCell alike; nn.RNN works). Needs device kernels for the fused cells and their backward")
+
+BF16_LAYER_NORM_STATS_DTYPE = (
+    "adaptive runtime (lazy outputs allocated from meta kernels): for a bf16 input, aten.native_layer_norm's "
+    "CPU kernel returns mean/rstd in bf16 but its meta kernel says float32, so the recorded buffers are "
+    "float32 and the eager replay of aten.native_layer_norm_backward gets float32 mean/rstd: 'expected scalar "
+    "type BFloat16 but found Float' in the first training step (adaptive, before any compile). Repro: "
+    "`PYTHONPATH=tests python -c \"from models.lowp import bf16_training; bf16_training('adaptive')\"` "
+    "(Linear -> LayerNorm -> GELU -> Linear in bf16, one SGD step)")
+
+BF16_LAYER_NORM_DECOMPOSITION_ROUNDING = (
+    "compiler decompose (compiled mode): the compiled bf16 layer norm (forward and backward decompositions) "
+    "rounds intermediates to bf16 where the CPU kernel accumulates in float32, so LayerNorm's weight and bias "
+    "gradients differ from CPU by one bf16 ulp (1.2e-4) at 13 and 11 of 32 elements on the first step; "
+    "5 SGD-momentum steps carry that to 5/512 elements of the first Linear weight off by 1.7e-3 (rel 0.11, "
+    "beyond bf16 tolerance). Repro: `PYTHONPATH=tests python -c \"from models.lowp import bf16_training; "
+    "bf16_training('compiled')\"`")
+
+NO_AUTOCAST = (
+    "device module: torch.autocast('neuron', dtype=torch.bfloat16) raises AssertionError 'Tried to use AMP "
+    "with the neuron backend ... the func get_amp_supported_dtype is missing' (torch.neuron lacks "
+    "get_amp_supported_dtype, and AutocastPrivateUse1 has no cast policy registered), in every mode and "
+    "outside an engine. Repro: `torch.autocast('neuron', dtype=torch.bfloat16)`")
