@@ -48,3 +48,24 @@ NO_AUTOCAST = (
     "with the neuron backend ... the func get_amp_supported_dtype is missing' (torch.neuron lacks "
     "get_amp_supported_dtype, and AutocastPrivateUse1 has no cast policy registered), in every mode and "
     "outside an engine. Repro: `torch.autocast('neuron', dtype=torch.bfloat16)`")
+
+CHECKPOINT_MAP_LOCATION_CPU = (
+    "device tensor pickling (tilewise/device/tensor.py __reduce_ex__): a neuron tensor is saved as "
+    "_rebuild(host data), i.e. a CPU storage plus a call that always wraps it back on neuron, so map_location "
+    "(which maps storage locations) never sees 'neuron' and cannot move it: map_location='cpu' or "
+    "{'neuron:0': 'cpu'} load NeuronTensors on neuron:0 (also outside any engine). Repro: `b = io.BytesIO(); "
+    "torch.save(torch.ones(2).to('neuron'), b); b.seek(0); torch.load(b, map_location='cpu').device` -> neuron:0")
+
+CHECKPOINT_MAP_LOCATION_NEURON = (
+    "device module: map_location='neuron' moves each storage with torch.storage._to, which enters "
+    "torch.neuron.device(...) (missing: AttributeError \"module 'tilewise.device.neuron_module' has no attribute "
+    "'device'\") and then needs an UntypedStorage on neuron (also outside any engine). Repro: `b = io.BytesIO(); "
+    "torch.save(torch.ones(2), b); b.seek(0); torch.load(b, map_location='neuron')`")
+
+MODULE_TO_IN_LAZY_BLOCK = (
+    "adaptive segment recording (tilewise/adaptive/segment.py): Module._apply moves a parameter with "
+    "torch.utils.swap_tensors (a wrapper subclass has no compatible shallow copy), and the aten.detach it "
+    "takes of the converted tensor is recorded as a VIEW node holding weakref.ref(wrapper) (node.wrappers); "
+    "swap_tensors refuses a tensor with weakrefs: \"_apply(): Couldn't swap Linear.weight\" from \"Cannot swap "
+    "t2 because it has weakref associated with it\", in adaptive and compiled mode (eager works). Repro: "
+    "`with tilewise.engine(mode='adaptive'): nn.Linear(2, 2).to('neuron')` (and module.to(torch.bfloat16) there)")
