@@ -90,10 +90,13 @@ def train_on_cpu_and_neuron(model: torch.nn.Module, step_loss, make_optimizer, m
     return run, reference
 
 
-def xfail_modes(reasons: dict[str, str], modes=MODES) -> list:
-    """pytest params over `modes`, those named in `reasons` marked as strict expected failures."""
-    return [pytest.param(mode, marks=pytest.mark.xfail(reason=reasons[mode], strict=True))
-            if mode in reasons else mode for mode in modes]
+def xfail_modes(reasons: dict[str, str], modes=MODES, slow=()) -> list:
+    """pytest params over `modes`: those named in `reasons` marked as strict expected failures, those
+    in `slow` as slow."""
+    def marks(mode):
+        xfail = [pytest.mark.xfail(reason=reasons[mode], strict=True)] if mode in reasons else []
+        return xfail + ([pytest.mark.slow] if mode in slow else [])
+    return [pytest.param(mode, marks=marks(mode)) for mode in modes]
 
 
 @dataclass
