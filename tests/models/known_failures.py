@@ -13,11 +13,13 @@ TENSOR_FACTORY_IN_ENGINE = (
     "empty_strided (as factories.py does for copy_) makes generate equal CPU in all three modes")
 
 EVAL_BATCH_NORM_SAVE_MEAN = (
-    "adaptive runtime _replay (eager replay of a recorded op): lazy outputs are allocated from the meta "
-    "kernel, and aten.native_batch_norm with training=False returns save_mean/save_invstd of shape [0] on "
-    "CPU but [C] from meta, so buffer.copy_(value) fails 'size of tensor a (8) must match ... b (0)'. "
-    "Repro: `bn = nn.BatchNorm2d(8).eval().to('neuron'); with tilewise.engine(mode='adaptive'): "
-    "bn(torch.randn(2, 8, 4, 4).to('neuron')).cpu()`")
+    "adaptive runtime (lazy outputs allocated from meta kernels): aten.native_batch_norm with training=False "
+    "returns save_mean/save_invstd of shape [0] on CPU but [C] from its meta kernel; the eager replay "
+    "(runtime._replay) or, when the outputs are alive (autograd saved them: eval without no_grad), the compiled "
+    "region's write-back (regions.CompiledEntry.run) does buffer.copy_(value) and fails 'The size of tensor a "
+    "(8) must match the size of tensor b (0)'. Repro: `bn = nn.BatchNorm2d(8).eval().to('neuron'); with "
+    "tilewise.engine(mode='adaptive'): bn(torch.randn(2, 8, 4, 4).to('neuron')).cpu()` (mode='compiled' "
+    "fails too)")
 
 FUSED_RNN_CELLS = (
     "eager executor (device layer, also outside any engine): PyTorch's composite lstm/gru take the fused "

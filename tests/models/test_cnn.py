@@ -1,5 +1,7 @@
 """A ResNet-like CNN written by hand (the PyPI torchvision wheel does not load here): trained with
 SGD momentum and a learning-rate schedule, then validated in eval mode, on `neuron` in every mode."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +102,15 @@ def test_eval_mode_validation_matches_cpu(layout, mode):
     with tilewise.engine(mode=mode):
         logits = _validate(run.model, memory_format)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(("adaptive", "compiled"), EVAL_BATCH_NORM_SAVE_MEAN)))
+def test_eval_mode_forward_with_autograd_on_matches_cpu(mode):
+    """model.eval() without no_grad (a frozen-statistics fine-tune): autograd keeps batch norm's outputs."""
+    model = _build(torch.contiguous_format).eval()
+    images, _ = _data(torch.contiguous_format)
+    neuron_model = copy.deepcopy(model).to("neuron")
+    expected = model(images)
+    with tilewise.engine(mode=mode):
+        logits = neuron_model(images.to("neuron")).cpu()
+    torch.testing.assert_close(logits, expected.detach(), rtol=1e-4, atol=1e-5)
