@@ -37,6 +37,25 @@ def test_training_matches_cpu(name, mode):
     assert_compiled_if_lazy(mode)
 
 
+# With that failure worked around locally (PrivateUse1 kernels for empty.memory_format/empty_strided),
+# eager and adaptive match CPU; compiled mode then has 1/4096 elements of h.1.mlp.c_proj.weight off by
+# 2.0e-5 (rel 1.8e-2) after 5 AdamW steps: not yet diagnosed, so compiled stays expected to fail.
+CACHE_ON_COMPILED = TENSOR_FACTORY_IN_ENGINE + "; then, in compiled mode, an undiagnosed 2e-5 weight difference"
+
+
+@pytest.mark.parametrize("mode", xfail_modes({"eager": TENSOR_FACTORY_IN_ENGINE, "adaptive": TENSOR_FACTORY_IN_ENGINE,
+                                              "compiled": CACHE_ON_COMPILED}))
+def test_gpt2_training_with_the_default_cache_setting_matches_cpu(mode):
+    """As a user writes it: the config's use_cache=True makes the forward build a DynamicCache."""
+    ids, _ = batch()
+
+    def loss(model):
+        return model(input_ids=ids.to(model.device), labels=ids.to(model.device)).loss
+    run, reference = train_on_cpu_and_neuron(build("gpt2"), loss, _adamw, mode, STEPS)
+    assert_same_training(run, reference)
+    assert_compiled_if_lazy(mode)
+
+
 def _generate(model, ids):
     model.eval()
     with torch.no_grad():
