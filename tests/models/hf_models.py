@@ -19,7 +19,7 @@ BATCH, LENGTH = 2, 8
 class HFCase:
     name: str
     build: Callable[[], torch.nn.Module]
-    seq2seq: bool = False
+    causal: bool = False  # predicts its own input (shifted inside the model) rather than labels
     # Passed to forward in training; the cache is left to generate(), which exercises it.
     train_kwargs: dict = field(default_factory=dict)
 
@@ -48,10 +48,10 @@ def _t5():
 
 
 CASES = {case.name: case for case in (
-    HFCase("gpt2", _gpt2, train_kwargs={"use_cache": False}),
-    HFCase("llama", _llama, train_kwargs={"use_cache": False}),
+    HFCase("gpt2", _gpt2, causal=True, train_kwargs={"use_cache": False}),
+    HFCase("llama", _llama, causal=True, train_kwargs={"use_cache": False}),
     HFCase("bert", _bert),
-    HFCase("t5", _t5, seq2seq=True, train_kwargs={"use_cache": False}),
+    HFCase("t5", _t5, train_kwargs={"use_cache": False}),
 )}
 
 
@@ -75,6 +75,6 @@ def step_loss(name: str) -> Callable[[torch.nn.Module], torch.Tensor]:
 
     def loss(model):
         device = model.device
-        target = labels if case.seq2seq or name == "bert" else ids
+        target = ids if case.causal else labels
         return model(input_ids=ids.to(device), labels=target.to(device), **case.train_kwargs).loss
     return loss

@@ -1,9 +1,9 @@
-"""Recurrent models (nn.LSTM, nn.GRU) trained on `neuron` in every mode against CPU."""
+"""Recurrent models (nn.RNN, nn.LSTM, nn.GRU) trained on `neuron` in every mode against CPU."""
 import pytest
 import torch
 from torch import nn
 
-from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron, xfail_modes
+from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
 from .known_failures import FUSED_RNN_CELLS
 
 STEPS = 5
