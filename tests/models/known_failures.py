@@ -35,7 +35,10 @@ BF16_LAYER_NORM_STATS_DTYPE = (
     "float32 and the eager replay of aten.native_layer_norm_backward gets float32 mean/rstd: 'expected scalar "
     "type BFloat16 but found Float' in the first training step (adaptive, before any compile). Repro: "
     "`PYTHONPATH=tests python -c \"from models.lowp import bf16_training; bf16_training('adaptive')\"` "
-    "(Linear -> LayerNorm -> GELU -> Linear in bf16, one SGD step)")
+    "(Linear -> LayerNorm -> GELU -> Linear in bf16, CPU run first, then the neuron run fails in its first "
+    "step). Instrumented: the replayed backward receives the float32 buffers of the forward's mean/rstd. "
+    "Shorter programs (the same model, one forward/backward, with or without a CPU run first) did not fail: "
+    "what routes mean/rstd through those buffers there and not in them is not pinned down")
 
 BF16_LAYER_NORM_DECOMPOSITION_ROUNDING = (
     "compiler decompose (compiled mode): the compiled bf16 layer norm (forward and backward decompositions) "
