@@ -10,9 +10,7 @@ from torch import nn
 import tilewise
 
 from .helpers import MODES, assert_same_training, train, xfail_modes
-from .known_failures import CHECKPOINT_MAP_LOCATION_CPU, CHECKPOINT_MAP_LOCATION_NEURON, MODULE_TO_IN_LAZY_BLOCK
-
-SWAP_FAILURES = dict.fromkeys(("adaptive", "compiled"), MODULE_TO_IN_LAZY_BLOCK)
+from .known_failures import CHECKPOINT_MAP_LOCATION_CPU, CHECKPOINT_MAP_LOCATION_NEURON
 
 NEURON = torch.device("neuron", 0)
 
@@ -58,7 +56,7 @@ def _tensors(checkpoint):
                                                  for t in state.values()]
 
 
-@pytest.mark.parametrize("mode", xfail_modes(SWAP_FAILURES))
+@pytest.mark.parametrize("mode", MODES)
 def test_resumed_training_matches_cpu(mode):
     """Save, load (default map_location: where it was saved), resume: the same as on the CPU."""
     def resume(device):
@@ -83,7 +81,7 @@ def test_resumed_training_matches_cpu(mode):
 @pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(MODES, CHECKPOINT_MAP_LOCATION_CPU)))
 @pytest.mark.parametrize("location", ["cpu", {"neuron:0": "cpu"}], ids=["cpu", "dict"])
 def test_neuron_checkpoint_loads_onto_cpu(location, mode):
-    neuron_model = _model().to("neuron")  # outside the block: see MODULE_TO_IN_LAZY_BLOCK
+    neuron_model = _model().to("neuron")
     with tilewise.engine(mode=mode):
         model, checkpoint = _trained_checkpoint(neuron_model)
         loaded = torch.load(_save(checkpoint), map_location=location)
@@ -103,7 +101,7 @@ def test_cpu_checkpoint_loads_onto_neuron(mode):
         torch.testing.assert_close(values[name], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", xfail_modes(SWAP_FAILURES))
+@pytest.mark.parametrize("mode", MODES)
 def test_module_to_inside_the_engine_block(mode):
     """Moving and converting a module inside a lazy block (parameters swapped in place)."""
     reference = _model()

@@ -8,8 +8,7 @@ from torch import nn
 
 import tilewise
 
-from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron, xfail_modes
-from .known_failures import EVAL_BATCH_NORM_SAVE_MEAN
+from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
 
 STEPS = 5
 
@@ -92,7 +91,7 @@ def test_training_with_momentum_and_schedule_matches_cpu(layout, mode):
         torch.testing.assert_close(buffers[name].cpu(), value, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", xfail_modes({"adaptive": EVAL_BATCH_NORM_SAVE_MEAN}))
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", sorted(FORMATS))
 def test_eval_mode_validation_matches_cpu(layout, mode):
     memory_format = FORMATS[layout]
@@ -104,7 +103,7 @@ def test_eval_mode_validation_matches_cpu(layout, mode):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(("adaptive", "compiled"), EVAL_BATCH_NORM_SAVE_MEAN)))
+@pytest.mark.parametrize("mode", MODES)
 def test_eval_mode_forward_with_autograd_on_matches_cpu(mode):
     """model.eval() without no_grad (a frozen-statistics fine-tune): autograd keeps batch norm's outputs."""
     model = _build(torch.contiguous_format).eval()

@@ -3,8 +3,8 @@ against the same on the CPU. Each case runs in a child process (see lowp.py): an
 failed test, not the end of the suite."""
 import pytest
 
-from .helpers import MODES, assert_isolated_passes, xfail_modes
-from .known_failures import BF16_LAYER_NORM_DECOMPOSITION_ROUNDING, BF16_LAYER_NORM_STATS_DTYPE, NO_AUTOCAST
+from .helpers import assert_isolated_passes, xfail_modes
+from .known_failures import BF16_LAYER_NORM_DECOMPOSITION_ROUNDING
 
 
 def _program(name: str, mode: str) -> str:
@@ -18,13 +18,13 @@ def _program(name: str, mode: str) -> str:
 
 # Each child process costs ~10 s on 2 cores: CI keeps bf16 in eager and adaptive mode (the one seen
 # to abort) and autocast in eager mode.
-@pytest.mark.parametrize("mode", xfail_modes({"adaptive": BF16_LAYER_NORM_STATS_DTYPE,
-                                              "compiled": BF16_LAYER_NORM_DECOMPOSITION_ROUNDING},
+@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(("adaptive", "compiled"),
+                                                           BF16_LAYER_NORM_DECOMPOSITION_ROUNDING),
                                              slow=("compiled",)))
 def test_bf16_model_with_layer_norm_trains_like_cpu(mode):
     assert_isolated_passes(_program("bf16", mode))
 
 
-@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(MODES, NO_AUTOCAST), slow=("adaptive", "compiled")))
+@pytest.mark.parametrize("mode", xfail_modes({}, slow=("adaptive", "compiled")))
 def test_autocast_bf16_training_matches_cpu(mode):
     assert_isolated_passes(_program("autocast", mode))

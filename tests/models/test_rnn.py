@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
-from .known_failures import FUSED_RNN_CELLS
 
 STEPS = 5
 CELLS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}
@@ -38,9 +37,7 @@ def _adam(params):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cell", ["rnn"] + [pytest.param(name, marks=pytest.mark.xfail(reason=FUSED_RNN_CELLS,
-                                                                                     strict=True))
-                                             for name in ("gru", "lstm")])
+@pytest.mark.parametrize("cell", sorted(CELLS))
 def test_training_matches_cpu(cell, mode):
     torch.manual_seed(0)
     model = SequenceClassifier(CELLS[cell])
