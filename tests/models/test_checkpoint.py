@@ -10,7 +10,7 @@ from torch import nn
 import tilewise
 
 from .helpers import MODES, assert_same_training, train, xfail_modes
-from .known_failures import CHECKPOINT_MAP_LOCATION_CPU, CHECKPOINT_MAP_LOCATION_NEURON
+from .known_failures import CHECKPOINT_MAP_LOCATION_NEURON
 
 NEURON = torch.device("neuron", 0)
 
@@ -78,7 +78,7 @@ def test_resumed_training_matches_cpu(mode):
     assert_same_training(run, reference)
 
 
-@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(MODES, CHECKPOINT_MAP_LOCATION_CPU)))
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("location", ["cpu", {"neuron:0": "cpu"}], ids=["cpu", "dict"])
 def test_neuron_checkpoint_loads_onto_cpu(location, mode):
     neuron_model = _model().to("neuron")
