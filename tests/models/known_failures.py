@@ -12,10 +12,11 @@ BF16_LAYER_NORM_DECOMPOSITION_ROUNDING = (
     "bf16_training('compiled')\"`")
 
 CHECKPOINT_MAP_LOCATION_NEURON = (
-    "device module: map_location='neuron' moves each storage with torch.storage._to, which enters "
-    "torch.neuron.device(...) (missing: AttributeError \"module 'tilewise.device.neuron_module' has no attribute "
-    "'device'\") and then needs an UntypedStorage on neuron (also outside any engine). Repro: `b = io.BytesIO(); "
-    "torch.save(torch.ones(2), b); b.seek(0); torch.load(b, map_location='neuron')`")
+    "device serialization (since e62ae8b): torch.load(cpu_checkpoint, map_location='neuron') returns CPU "
+    "tensors (every mode, and outside an engine); before e62ae8b it raised AttributeError (torch.neuron had "
+    "no `device` for torch.storage._to). Where the neuron location is dropped is not pinned down. Repro: "
+    "`b = io.BytesIO(); torch.save(torch.ones(2), b); b.seek(0); torch.load(b, map_location='neuron').device` "
+    "-> cpu")
 
 TIED_WEIGHTS_UNTIED_BY_MODULE_TO = (
     "device Module.to (15f5ca0: neuron parameters converted with a new Parameter instead of swap_tensors): "
