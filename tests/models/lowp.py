@@ -1,0 +1,80 @@
+"""Low-precision training programs (bf16 weights, autocast to bf16), run by test_lowp.py in a child
+process each: bf16 layer norm has aborted the interpreter in adaptive mode (SIGABRT)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .helpers import assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
+
+STEPS = 5
+BF16_TOLERANCE = dict(rtol=1.6e-2, atol=1e-5)  # torch.testing's default for bfloat16
+
+
+class NormMLP(nn.Module):
+    def __init__(self, features=16, hidden=32, classes=4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.LayerNorm(hidden), nn.GELU(),
+                                 nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def forward_with_cuda_autocast_policy(self, x):
+        """What torch.autocast(dtype=bfloat16) computes under CUDA's cast policy, which neuron adopts:
+        linear in bf16, layer norm in float32 (its input cast up), GELU in its input's dtype. The CPU's
+        own autocast policy keeps layer norm in bf16, so it is not the reference."""
+        linear1, norm, _, linear2 = self.net
+        bf16 = torch.bfloat16
+        h = nn.functional.linear(x.to(bf16), linear1.weight.to(bf16), linear1.bias.to(bf16))
+        h = nn.functional.gelu(norm(h.float()))
+        return nn.functional.linear(h.to(bf16), linear2.weight.to(bf16), linear2.bias.to(bf16))
+
+
+def _step_loss(dtype, autocast: bool):
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 16, generator=generator).to(dtype)
+    y = torch.randint(0, 4, (8,), generator=generator)
+
+    def loss(model):
+        device = next(model.parameters()).device
+        if not autocast:
+            logits = model(x.to(device))
+        elif device.type == "cpu":
+            logits = model.forward_with_cuda_autocast_policy(x)
+        else:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(x.to(device))
+        return nn.functional.cross_entropy(logits.float(), y.to(device))
+    return loss
+
+
+def _sgd(params):
+    # Plain SGD: Adam divides each gradient by its own magnitude, which turns a one-ulp bf16
+    # difference in a near-zero gradient into a full learning-rate step.
+    # foreach on both devices: neuron takes it by default (as CUDA does) and the CPU does not, and in
+    # bf16 the two implementations round the update differently.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+
+
+def bf16_training(mode: str) -> None:
+    """The whole model in bf16 (`model.to(torch.bfloat16)`), layer norm included."""
+    torch.manual_seed(0)
+    model = NormMLP().to(torch.bfloat16)
+    run, reference = train_on_cpu_and_neuron(model, _step_loss(torch.bfloat16, False), _sgd, mode, STEPS)
+    assert_same_training(run, reference, **BF16_TOLERANCE)
+    assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())
+    assert_compiled_if_lazy(mode)
+
+
+def autocast_training(mode: str) -> None:
+    """float32 weights, forward under torch.autocast(dtype=torch.bfloat16) on neuron; on the CPU the
+    same casts written out (forward_with_cuda_autocast_policy)."""
+    torch.manual_seed(0)
+    model = NormMLP()
+    run, reference = train_on_cpu_and_neuron(model, _step_loss(torch.float32, True), _sgd, mode, STEPS)
+    assert_same_training(run, reference, **BF16_TOLERANCE)
+    assert_compiled_if_lazy(mode)
+
+
+PROGRAMS = {"bf16": bf16_training, "autocast": autocast_training}
