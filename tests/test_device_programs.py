@@ -345,3 +345,26 @@ def test_making_a_sparse_tensor_on_neuron_is_a_clear_error(mode):
         else:
             with tilewise.engine(mode=mode):
                 make()
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive", "compiled"])
+def test_tied_weights_stay_one_parameter_through_module_conversions(mode):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    with tilewise.engine(mode=mode):
+        model.to("neuron")
+        assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 1
+        out = model.head(model.embed(torch.tensor([1, 2]).to("neuron")))
+        model.half()  # with a live output: converted in place
+        assert model.head.weight is model.embed.weight and model.head.weight.dtype == torch.float16
+        del out
+        model.float()
+        out = model.head(model.embed(torch.tensor([1, 2]).to("neuron")))
+        out.sum().backward()
+        model.cpu()  # after backward: its gradient accumulator is its only other reference
+    assert model.head.weight is model.embed.weight and model.head.weight.device.type == "cpu"

@@ -36,15 +36,19 @@ def use_foreach_optimizers(tensor_type: type) -> None:
 
 
 def convert_modules_in_place(tensor_type: type) -> None:
-    """Module.to/.half/.cpu of a model with neuron parameters, as for CUDA: `param.data = new` where
-    the types match, a new Parameter where they do not.
+    """Module.to/.half/.cpu of a model with neuron parameters keeps each Parameter object, as for
+    CUDA, so tied weights (GPT-2's lm_head and embedding) stay one Parameter.
 
     nn.Module._apply swaps whole tensor objects (torch.utils.swap_tensors) whenever the converted
     tensor is a traceable wrapper subclass, which ours is so that torch.compile can see through it.
-    A swap refuses a tensor that anything else references (a live output's autograd graph, the lazy
-    engine's weak references), so `out = model(x); model.half()` or `model.to("neuron")` inside an
-    engine block failed. _apply reads the predicate through its module's global, so only it is told
-    that our tensors are not such subclasses; torch.compile and everything else still see they are.
+    A swap keeps the Parameter object but refuses one that anything else references (a live
+    output's autograd graph), so `out = model(x); model.half()` failed. Where the parameter is a
+    neuron tensor already, `param.data = new` keeps the object without that limit, as CUDA's
+    conversions do; a CPU parameter moving to neuron cannot take neuron data in place (the two
+    tensor types are not shallow-copy compatible), so it is still swapped, and so is a neuron
+    parameter moving back to the CPU. _apply asks its module's
+    global about `param_applied` only; the parameter itself is `param` in its frame (torch
+    2.13-2.14; without it, the swap is kept).
     """
     from torch.nn.modules import module
 
@@ -53,7 +57,13 @@ def convert_modules_in_place(tensor_type: type) -> None:
         return
 
     def swaps_unless_ours(tensor) -> bool:
-        return not isinstance(tensor, tensor_type) and swaps(tensor)
+        param = sys._getframe(1).f_locals.get("param")
+        if isinstance(param, tensor_type):
+            # neuron to neuron: .data; neuron to CPU: a swap where swap_tensors will take it (no
+            # reference but its gradient accumulator's), else a new Parameter (ties then split)
+            uses = param._use_count()
+            return not isinstance(tensor, tensor_type) and (uses == 1 or uses == 2 and param.grad is not None)
+        return swaps(tensor)
 
     swaps_unless_ours.exempt = tensor_type
     module.is_traceable_wrapper_subclass = swaps_unless_ours
