@@ -17,10 +17,3 @@ CHECKPOINT_MAP_LOCATION_NEURON = (
     "no `device` for torch.storage._to). Where the neuron location is dropped is not pinned down. Repro: "
     "`b = io.BytesIO(); torch.save(torch.ones(2), b); b.seek(0); torch.load(b, map_location='neuron').device` "
     "-> cpu")
-
-TIED_WEIGHTS_UNTIED_BY_MODULE_TO = (
-    "device Module.to (15f5ca0: neuron parameters converted with a new Parameter instead of swap_tensors): "
-    "a parameter shared by two modules becomes two Parameters, so tied weights (GPT-2/BERT/T5's output "
-    "projection and input embedding) train apart; loss equal at step 1, 0.07 off at step 4 (eager mode too). "
-    "Repro: `class Tied(nn.Module): a = Linear(2, 2); b = Linear(2, 2); b.weight = a.weight`; after "
-    "`.to('neuron')`, `t.a.weight is t.b.weight` is False and parameters() lists 4 (CPU/CUDA: tie kept)")

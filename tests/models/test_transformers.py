@@ -4,10 +4,8 @@ import torch
 
 import tilewise
 
-from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, neuron_copy, train_on_cpu_and_neuron, \
-    xfail_modes
+from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, neuron_copy, train_on_cpu_and_neuron
 from .hf_models import CASES, batch, build, step_loss
-from .known_failures import TIED_WEIGHTS_UNTIED_BY_MODULE_TO
 
 STEPS = 5  # the first step creates the AdamW state; adaptive mode compiles after 3 identical steps
 NEW_TOKENS = 4
@@ -29,12 +27,8 @@ SLOW_TRAINING = {("t5", "adaptive"), ("t5", "compiled"), ("bert", "adaptive"), (
                  ("llama", "adaptive")}
 
 
-TIED = {"gpt2", "bert", "t5"}  # output projection tied to the input embedding
-
-
 def _marks(name, mode):
-    tied = [pytest.mark.xfail(reason=TIED_WEIGHTS_UNTIED_BY_MODULE_TO, strict=True)] if name in TIED else []
-    return tied + ([pytest.mark.slow] if (name, mode) in SLOW_TRAINING else [])
+    return [pytest.mark.slow] if (name, mode) in SLOW_TRAINING else []
 
 
 @pytest.mark.parametrize("name,mode", [pytest.param(name, mode, marks=_marks(name, mode))
@@ -46,7 +40,7 @@ def test_training_matches_cpu(name, mode):
     assert_compiled_if_lazy(mode)
 
 
-@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(MODES, TIED_WEIGHTS_UNTIED_BY_MODULE_TO)))
+@pytest.mark.parametrize("mode", MODES)
 def test_gpt2_training_with_the_default_cache_setting_matches_cpu(mode):
     """As a user writes it: the config's use_cache=True makes the forward build a DynamicCache."""
     ids, _ = batch()
