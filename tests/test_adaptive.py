@@ -260,38 +260,26 @@ def test_cpu_scalar_tensor_is_a_region_input_not_a_constant():
     assert tilewise.stats().compiles == 1, tilewise.stats().report()
 
 
-def test_a_changing_float_becomes_a_region_input_and_compiles_once():
+def _steps_with_a_changing_float(program):
+    """Nine steps of `program(x, 1 / step)` against CPU; the statistics cover steps 5-9."""
     x = torch.randn(32, 32).to("neuron")
-
-    def after(step):
-        if step == 4:
-            tilewise.stats().reset()
-
     with tilewise.engine(mode="adaptive", threshold=2):
         for step in range(1, 10):
-            y = (x * 2).relu() * (1.0 / step)  # the last op's constant changes every step
-            expected = (x.cpu() * 2).relu() * (1.0 / step)
-            torch.testing.assert_close(y.cpu(), expected)
-            after(step)
+            torch.testing.assert_close(program(x, 1.0 / step).cpu(), program(x.cpu(), 1.0 / step))
+            if step == 4:
+                tilewise.stats().reset()
+
+
+def test_a_changing_float_becomes_a_region_input_and_compiles_once():
+    _steps_with_a_changing_float(lambda x, s: (x * 2).relu() * s)  # the last op's constant changes
     stats = tilewise.stats()
     assert stats.analyses == 0 and stats.ops_eager == 0 and stats.ops_compiled == 5 * 3, stats.report()
     assert stats.compiles == 0 and stats.cache_hits == 5
 
 
 def test_changing_floats_an_op_cannot_take_as_tensors_replay_the_plan_without_reanalysis():
-    x = torch.randn(32, 32).to("neuron")
-
-    def after(step):
-        if step == 4:
-            tilewise.stats().reset()
-
-    with tilewise.engine(mode="adaptive", threshold=2):
-        for step in range(1, 10):
-            # leaky_relu takes its slope as a Scalar with no Tensor overload: it stays a constant
-            y = torch.nn.functional.leaky_relu(x * 2, 1.0 / step) + 1
-            expected = torch.nn.functional.leaky_relu(x.cpu() * 2, 1.0 / step) + 1
-            torch.testing.assert_close(y.cpu(), expected)
-            after(step)
+    # leaky_relu takes its slope as a Scalar with no Tensor overload: it stays a constant
+    _steps_with_a_changing_float(lambda x, s: torch.nn.functional.leaky_relu(x * 2, s) + 1)
     stats = tilewise.stats()
     assert stats.analyses == 0 and stats.ops_compiled > 0, stats.report()
     assert any(reason.startswith("dynamic") for (_, reason) in stats.fallbacks)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+import torch
+
 
 class Mode(str, enum.Enum):
     EAGER = "eager"
@@ -91,3 +93,28 @@ def on_region_miss(mode: Mode, settling: bool, sightings: int, signatures: int, 
     if settling and sightings < 2:
         return Decision(Verdict.WAIT, Reason(Why.NOT_RECURRED))
     return Decision(Verdict.COMPILE)
+
+
+def runs_now(func) -> Reason | None:
+    """Why an op must run at once, whatever was recorded before it: its output's shape depends on
+    data, or it reads device data on the host (its tags say which)."""
+    tags = func.tags
+    if torch.Tag.dynamic_output_shape in tags:
+        return Reason(Why.DATA_DEPENDENT_SHAPE)
+    if torch.Tag.data_dependent_output in tags:
+        return Reason(Why.READS_DEVICE_DATA)
+    return None
+
+
+def copies_to_host(kwargs) -> Reason | None:
+    device = kwargs.get("device") if kwargs else None
+    if device is not None and torch.device(device).type == "cpu":
+        return Reason(Why.COPY_TO_HOST)
+    return None
+
+
+def draws_random(func, args) -> bool:
+    """Whether a random op draws numbers this call: dropout in eval mode (`train=False`) does
+    not, and is an ordinary op that records and compiles."""
+    names = [a.name for a in func._schema.arguments[:len(args)]]
+    return "train" not in names or args[names.index("train")] is not False

@@ -16,7 +16,7 @@ import torch.fx
 from ..device.runtime import DEVICE
 from . import scalars
 from .analysis import storages
-from .segment import FUNCTIONAL, Segment
+from .segment import FUNCTIONAL, VIEW, Segment
 
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
@@ -228,3 +228,25 @@ class CompiledEntry:
         for kernel_name, engine, seconds, hbm_bytes, flops in self.compiled.cost:
             record(kernel_name, engine, seconds, hbm_bytes, flops, self.name)
         self.runs += 1
+
+
+def needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
+    """Functional outputs that must reach their buffers: used outside their region, or alive."""
+    group = {n: r for r, region in enumerate(members) for n in region}
+    needed = set()
+    for index, node in enumerate(segment.nodes):
+        for source in node.srcs:
+            if group.get(source[0], ("node", source[0])) != group.get(index, ("node", index)):
+                needed.add(root_of(segment, source))
+        for out_index, ref in enumerate(node.wrappers or ()):
+            if ref() is not None:
+                needed.add(root_of(segment, (index, out_index)))
+    needed.discard(None)
+    return needed
+
+
+def root_of(segment: Segment, value):
+    node = segment.nodes[value[0]]
+    if node.kind == VIEW:
+        return node.roots[value[1]]
+    return value

@@ -25,11 +25,12 @@ from ..device.tensor import NeuronTensor
 from ..eager.executor import check_device, execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from ..errors import TilewiseError
-from . import analysis, interrupts
+from . import analysis, events, interrupts, scalars
 from .caches import BoundedCache, CacheSize
 from .regions import (CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
-                      store)
-from .policy import Mode, Reason, Verdict, Why, on_region_miss, stable_after
+                      needed_values, store)
+from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
+                     stable_after)
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, without_floats
 from .stats import RegionStats, Stats
 
@@ -97,16 +98,16 @@ class Runtime:
         return run(func, args, kwargs)
 
     def dispatch(self, func, args, kwargs):
-        lift = _LIFTED.get(func)
+        lift = scalars.SCALAR_LISTS.get(func)
         if lift is not None:
-            func, args = _lift_scalars(func, lift, args)
+            func, args = scalars.lift_scalar_list(func, lift, args)
         with self.lock:
             self.stats.ops_seen += 1
             info = self._op_info.get(func)
             if info is None:
-                info = self._op_info[func] = (_eager_reason(func), is_random(func))
-            reason = info[0] or _host_device(kwargs)
-            if reason is None and info[1] and _draws(func, args):
+                info = self._op_info[func] = (runs_now(func), is_random(func))
+            reason = info[0] or copies_to_host(kwargs)
+            if reason is None and info[1] and draws_random(func, args):
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
@@ -174,7 +175,7 @@ class Runtime:
             finally:
                 self._flushing = False
                 DEVICE.lazy_pending = bool(self.unfinished)
-                _host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
+                events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
     def _drain(self) -> None:
         """Run the queued work in order. A flush is a transaction: an exception that stops it
@@ -224,7 +225,7 @@ class Runtime:
                 if dynamic:
                     self._count_dynamic_steps(segment, steps)
                 if self.observers:
-                    self._notify(_replay_event(segment, steps, dynamic))
+                    self._notify(events.replay_event(segment, steps, dynamic))
                 return steps
             self._forget(cache, key, segment, steps, missed)
             return [("node", i) for i in range(len(segment.nodes))]
@@ -263,7 +264,7 @@ class Runtime:
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
                    if any(nodes[i].kind != VIEW for i in m)]
         order = analysis.execution_order(graph, members, len(nodes))
-        needed = _needed_values(segment, graph, members)
+        needed = needed_values(segment, graph, members)
         skeleton = tuple(n.func for n in nodes)
         dynamic = self.skeletons.count(skeleton) > threshold
         steps, final, compiled_all = [], len(stable) == len(nodes), True
@@ -283,7 +284,7 @@ class Runtime:
                 steps.append(("region", (region, entry)))
         self.stats.regions_found += len(members)
         if self.observers:
-            self._notify(_segment_event(segment, graph, stable, steps, dynamic))
+            self._notify(events.segment_event(segment, graph, stable, steps, dynamic))
         return steps, final, dynamic and compiling and compiled_all
 
     def _notify(self, event: dict) -> None:
@@ -451,37 +452,6 @@ def _fill_failed(node) -> None:
             buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
 
 
-def _segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
-    """What the explorer draws: the segment's op graph, stable nodes and the regions they ran in."""
-    region_of = {n: entry.name for kind, what in steps if kind == "region"
-                 for region, entry in [what] for n in region.nodes}
-    nodes = [{"index": i, "op": n.plan.name, "kind": n.kind, "stable": i in stable,
-              "region": region_of.get(i),
-              "why_eager": None if i in region_of else
-              ("dynamic: input shapes or constants change" if dynamic and i not in stable else
-               "warming up" if i not in stable else "region not compiled"),
-              "shapes": [list(o.shape) for o in (n.outs or ()) if o is not None]}
-             for i, n in enumerate(segment.nodes)]
-    return {"kind": "segment", "host_time": time.perf_counter(), "nodes": nodes,
-            "edges": [list(edge) for edge in graph.edges]}
-
-
-def _host_spans(number: int, reason: str, ops: int, traced_from: float, started: float, clock: float) -> None:
-    """The segment's spans on the timeline's host lanes: recording its ops, then the flush."""
-    timeline = DEVICE.timeline
-    timeline.host("tracing", f"segment {number}", traced_from, started - traced_from, ops=ops)
-    timeline.host("flush", f"flush: {reason}", started, time.perf_counter() - started, segment=number, ops=ops,
-                  simulated_us=[clock * 1e6, timeline.clock * 1e6])
-
-
-def _replay_event(segment: Segment, steps, dynamic: bool) -> dict:
-    """The segment event of a cached plan's replay (built only while someone observes)."""
-    in_regions = {n for kind, what in steps if kind == "region" for n in what[0].nodes}
-    event = _segment_event(segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic)
-    event["replayed"] = True
-    return event
-
-
 def _replay(node) -> None:
     if node.kind == VIEW:
         return  # taken on the real buffers at record time
@@ -502,75 +472,6 @@ def _layout(tensor) -> str:
     return "None" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}"
 
 
-def _needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
-    """Functional outputs that must reach their buffers: used outside their region, or alive."""
-    group = {n: r for r, region in enumerate(members) for n in region}
-    needed = set()
-    for index, node in enumerate(segment.nodes):
-        for source in node.srcs:
-            if group.get(source[0], ("node", source[0])) != group.get(index, ("node", index)):
-                needed.add(_root(segment, source))
-        for out_index, ref in enumerate(node.wrappers or ()):
-            if ref() is not None:
-                needed.add(_root(segment, (index, out_index)))
-    needed.discard(None)
-    return needed
-
-
-def _root(segment: Segment, value):
-    node = segment.nodes[value[0]]
-    if node.kind == VIEW:
-        return node.roots[value[1]]
-    return value
-
-
-def _eager_reason(func) -> Reason | None:
-    tags = func.tags
-    if torch.Tag.dynamic_output_shape in tags:
-        return Reason(Why.DATA_DEPENDENT_SHAPE)
-    if torch.Tag.data_dependent_output in tags:
-        return Reason(Why.READS_DEVICE_DATA)
-    return None
-
-
-def _host_device(kwargs) -> Reason | None:
-    device = kwargs.get("device") if kwargs else None
-    if device is not None and torch.device(device).type == "cpu":
-        return Reason(Why.COPY_TO_HOST)
-    return None
-
-
-def _lifted_overloads() -> dict:
-    """ScalarList overload -> (the overload taking the same numbers as tensors, their form)."""
-    table = {}
-    for name, form in (("add", "zero-dim"), ("sub", "zero-dim"), ("mul", "zero-dim"), ("div", "zero-dim"),
-                       ("addcdiv", "vector"), ("addcmul", "vector")):
-        for packet in (getattr(aten, f"_foreach_{name}_"), getattr(aten, f"_foreach_{name}")):
-            table[packet.ScalarList] = (packet.List if form == "zero-dim" else packet.Tensor, form)
-    return table
-
-
-# Optimizer ops whose list of Python floats changes every step (Adam's bias corrections): each has
-# an overload taking the same numbers as CPU tensors, which PyTorch computes identically. Recorded
-# that way the numbers are inputs of a compiled region, not constants baked into it, so the step
-# compiles once instead of staying eager (adaptive mode) or recompiling (compiled mode).
-_LIFTED = _lifted_overloads()
-
-
-def _lift_scalars(func, lift, args):
-    scalars = args[-1]
-    if type(scalars) not in (list, tuple) or not all(type(v) is float for v in scalars) \
-            or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[0]):
-        return func, args  # ints keep their integer arithmetic; leave those as they are
-    overload, form = lift
-    if form == "zero-dim":
-        lifted = [torch.tensor(v, dtype=torch.float64) for v in scalars]
-    else:
-        lifted = torch.tensor(scalars, dtype=torch.float64)
-        lifted.tilewise_scalars = True  # a host vector the segment may take as a region input
-    return overload, (*args[:-1], lifted)
-
-
 def _flat(values):
     for value in values:
         if type(value) is list or type(value) is tuple:
@@ -585,13 +486,6 @@ def _device_tensors(values):
             yield value
         elif type(value) is list or type(value) is tuple:
             yield from _device_tensors(value)
-
-
-def _draws(func, args) -> bool:
-    """Whether a random op draws numbers this call: dropout in eval mode (`train=False`) does
-    not, and is an ordinary op that records and compiles."""
-    names = [a.name for a in func._schema.arguments[:len(args)]]
-    return "train" not in names or args[names.index("train")] is not False
 
 
 def _is_training_dropout(args) -> bool:

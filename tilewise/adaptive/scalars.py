@@ -125,3 +125,35 @@ def _put(args: list, kwargs: dict, position, value) -> None:
         args[position] = value
     else:
         kwargs[position] = value
+
+
+def _list_overloads() -> dict:
+    """ScalarList overload -> (the overload taking the same numbers as tensors, their form)."""
+    table = {}
+    for name, form in (("add", "zero-dim"), ("sub", "zero-dim"), ("mul", "zero-dim"), ("div", "zero-dim"),
+                       ("addcdiv", "vector"), ("addcmul", "vector")):
+        for packet in (getattr(aten, f"_foreach_{name}_"), getattr(aten, f"_foreach_{name}")):
+            table[packet.ScalarList] = (packet.List if form == "zero-dim" else packet.Tensor, form)
+    return table
+
+
+# Optimizer ops whose list of Python floats changes every step (Adam's bias corrections): each has
+# an overload taking the same numbers as CPU tensors, which PyTorch computes identically. They are
+# recorded that way from the first step (not only once they change): Adam changes them every step.
+SCALAR_LISTS = _list_overloads()
+
+
+def lift_scalar_list(func, lift, args):
+    """The op and its arguments with a list of floats given as CPU tensors (where they are floats
+    applied to floating tensors)."""
+    scalars = args[-1]
+    if type(scalars) not in (list, tuple) or not all(type(v) is float for v in scalars) \
+            or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[0]):
+        return func, args  # ints keep their integer arithmetic; leave those as they are
+    overload, form = lift
+    if form == "zero-dim":
+        lifted = [torch.tensor(v, dtype=torch.float64) for v in scalars]
+    else:
+        lifted = torch.tensor(scalars, dtype=torch.float64)
+        lifted.tilewise_scalars = True  # a host vector the segment may take as a region input
+    return overload, (*args[:-1], lifted)
