@@ -36,7 +36,7 @@ import torch.nn.functional as F
 CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
 TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "tilewise compiled": "compiled"}
 # Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
-STEPS = {"mlp": (60, 4), "gpt": (30, 3), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6)}
+STEPS = {"mlp": (60, 4), "gpt": (30, 5), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6)}
 INDUCTOR_SKIPPED = "skipped in --quick: inductor compiles for 17-40 s cold per graph here (run without --quick)"
 
 
