@@ -133,3 +133,14 @@ def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
         return
     assert stats.compiles >= 1 and stats.cache_hits >= 3, stats.report()
     assert stats.compiles <= 2, stats.report()
+
+
+def test_a_cycle_of_lengths_compiles_each_length_once_it_recurs():
+    from tilewise.workloads import train_seq
+
+    reference = train_seq("cpu", None, steps=40)
+    tilewise.stats().reset()
+    result = train_seq("neuron", "adaptive", steps=40, on_step=lambda step: step == 24 and tilewise.stats().reset())
+    torch.testing.assert_close(result[0], reference[0], rtol=1e-4, atol=1e-5)
+    stats = tilewise.stats()  # steps 25-40: every length has recurred `threshold` times
+    assert stats.compiled_fraction >= 0.95 and stats.compiles == 0, stats.report()

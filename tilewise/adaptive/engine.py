@@ -6,7 +6,7 @@ from ..device.runtime import DEVICE
 from ..errors import ConfigError
 from .policy import Mode
 from .regions import CompiledEntry
-from .runtime import Runtime
+from .runtime import ENGINE_EXITED, Runtime
 from .stats import Stats
 from .tracer import Tracer
 
@@ -46,7 +46,7 @@ class engine:
         saved, tracer = self._entered.pop()
         runtime = RUNTIME
         try:
-            runtime.flush("engine exited")
+            runtime.flush(ENGINE_EXITED)
         finally:
             try:
                 tracer.__exit__(*exc_info)

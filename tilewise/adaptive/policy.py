@@ -5,8 +5,8 @@
     data. A flush computes the segment. Each recorded node has a fingerprint (op, input metadata,
     constants, producers); it is stable once seen in `threshold` flushes (compiled mode: at once).
     Stable nodes form convex regions. A region compiles at once when nothing else in its segment
-    is still warming up; while its neighbours settle, only once it recurs (a region formed
-    halfway through warm-up is never compiled for nothing). Compiled mode compiles at first sight.
+    is still warming up; while its neighbours settle, or in the segment that ends an engine block,
+    only once it recurs (so no compile goes unused). Compiled mode compiles at first sight.
     Floats seen to change at their site become region inputs, so a schedule compiles once more,
     not every step; compiled mode stops recompiling a region site after `recompile_limit`
     signatures. Whatever does not compile runs eagerly with a typed reason, counted in stats():

@@ -36,6 +36,7 @@ from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
+ENGINE_EXITED = "engine exited"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
@@ -48,6 +49,7 @@ class Runtime:
         self.threshold = 3
         self.max_segment_ops = config.max_segment_ops
         self._flushing = False
+        self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
         # Callables given a dict per analysed segment and per compile (the explorer listens here).
         self.observers: list = []
@@ -164,6 +166,7 @@ class Runtime:
                 return
             self.segment = Segment()
             self._flushing = True
+            self._ending = reason == ENGINE_EXITED
             started, clock = time.perf_counter(), DEVICE.timeline.clock
             if segment.nodes:
                 self.stats.segments += 1
@@ -267,8 +270,11 @@ class Runtime:
         needed = needed_values(segment, graph, members)
         skeleton = tuple(n.func for n in nodes)
         dynamic = self.skeletons.count(skeleton) > threshold
+        floating = _float_dependent(nodes)
         steps, final, compiled_all = [], len(stable) == len(nodes), True
-        settling = not dynamic and not final
+        # a region may still grow while its neighbours warm up; the block's last segment has
+        # nothing after it in this block to reuse a compile: either way, compile what recurs
+        settling = not dynamic and not final or self._ending
         for kind, what in order:
             if kind == "node":
                 steps.append(("node", what))
@@ -285,7 +291,11 @@ class Runtime:
         self.stats.regions_found += len(members)
         if self.observers:
             self._notify(events.segment_event(segment, graph, stable, steps, dynamic))
-        return steps, final, dynamic and compiling and compiled_all
+        # Reusable without analysis while only floats change: every eager node has floats or reads
+        # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
+        # lengths does) and must be analysed again, to compile when it has become stable.
+        floats_only = all(floating[what] or nodes[what].kind == VIEW for kind, what in steps if kind == "node")
+        return steps, final, dynamic and compiling and compiled_all and floats_only
 
     def _notify(self, event: dict) -> None:
         event["segment"] = self.stats.segments
@@ -450,6 +460,14 @@ def _fill_failed(node) -> None:
     for buffer in node.outs:
         if buffer is not None:
             buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
+
+
+def _float_dependent(nodes) -> list[bool]:
+    """Per node: it has float constants, or reads a value computed from one."""
+    floating: list[bool] = []
+    for node in nodes:
+        floating.append(node.floats or any(floating[source] for source, _ in node.srcs))
+    return floating
 
 
 def _replay(node) -> None:
