@@ -44,11 +44,11 @@ def convert_modules_in_place(tensor_type: type) -> None:
     A swap keeps the Parameter object but refuses one that anything else references (a live
     output's autograd graph), so `out = model(x); model.half()` failed. Where the parameter is a
     neuron tensor already, `param.data = new` keeps the object without that limit, as CUDA's
-    conversions do; a CPU parameter moving to neuron cannot take neuron data in place (the two
-    tensor types are not shallow-copy compatible), so it is still swapped, and so is a neuron
-    parameter moving back to the CPU. _apply asks its module's
-    global about `param_applied` only; the parameter itself is `param` in its frame (torch
-    2.13-2.14; without it, the swap is kept).
+    conversions do. Between host and device the two tensor types are not shallow-copy compatible,
+    so a parameter moving there is swapped where swap_tensors will take it, and otherwise (a live
+    graph holds it) replaced by a new Parameter, as _apply does for other incompatible types.
+    _apply asks its module's global about `param_applied` only; the parameter itself is `param` in
+    its frame (torch 2.13-2.14; without it, PyTorch's own answer stands).
     """
     from torch.nn.modules import module
 
@@ -58,12 +58,15 @@ def convert_modules_in_place(tensor_type: type) -> None:
 
     def swaps_unless_ours(tensor) -> bool:
         param = sys._getframe(1).f_locals.get("param")
-        if isinstance(param, tensor_type):
-            # neuron to neuron: .data; neuron to CPU: a swap where swap_tensors will take it (no
-            # reference but its gradient accumulator's), else a new Parameter (ties then split)
-            uses = param._use_count()
-            return not isinstance(tensor, tensor_type) and (uses == 1 or uses == 2 and param.grad is not None)
-        return swaps(tensor)
+        moved_from, moved_to = isinstance(param, tensor_type), isinstance(tensor, tensor_type)
+        if param is None or not (moved_from or moved_to):
+            return swaps(tensor)
+        if moved_from and moved_to:
+            return False  # neuron to neuron: param.data = new
+        # between host and device: a swap keeps the Parameter object where swap_tensors takes it
+        # (nothing but its gradient accumulator references it); else a new Parameter (ties split)
+        uses = param._use_count()
+        return uses == 1 or uses == 2 and param.grad is not None
 
     swaps_unless_ours.exempt = tensor_type
     module.is_traceable_wrapper_subclass = swaps_unless_ours
