@@ -144,3 +144,30 @@ def test_a_cycle_of_lengths_compiles_each_length_once_it_recurs():
     torch.testing.assert_close(result[0], reference[0], rtol=1e-4, atol=1e-5)
     stats = tilewise.stats()  # steps 25-40: every length has recurred `threshold` times
     assert stats.compiled_fraction >= 0.95 and stats.compiles == 0, stats.report()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_loss_scaled_by_a_changing_float_compiles_and_keeps_its_dtype(mode):
+    """The scale multiplies a 0-dim loss: as a number it keeps float32, as a float64 0-dim tensor
+    it would promote the backward to float64, so that float stays a constant (the rest compiles)."""
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(16, 4)
+    device_model = copy.deepcopy(cpu_model).to("neuron")
+    x = torch.randn(8, 16)
+    losses = []
+    for model, device in ((cpu_model, "cpu"), (device_model, "neuron")):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        run = []
+        with tilewise.engine(mode=mode):
+            for step in range(12):
+                loss = model(x.to(device)).pow(2).mean() * (1.0 + step * 1e-2)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run.append(loss.item())
+                assert loss.dtype == torch.float32
+        losses.append(run)
+    torch.testing.assert_close(losses[1], losses[0])
+    stats = tilewise.stats()
+    assert stats.compiles >= 1 and stats.compiled_fraction > 0.5, stats.report()
+    assert not [r for (_, r) in stats.fallbacks if r.startswith("compile failed")], stats.report()

@@ -41,8 +41,8 @@ class Region:
         grouped = {slot for group in self.shared for slot in group}
         return [t for slot, t in enumerate(tensors) if slot not in grouped] + \
             [_whole_storage(tensors[group[0]]) for group in self.shared] + \
-            [torch.tensor(value, dtype=torch.float64) for n in self.nodes if segment.nodes[n].lifts
-             for value in scalars.values_of(segment.nodes[n].args, segment.nodes[n].kwargs, segment.nodes[n].lifts)]
+            [scalar for n in self.nodes if segment.nodes[n].lifts
+             for scalar in scalars.tensors_of(segment.nodes[n].args, segment.nodes[n].kwargs, segment.nodes[n].lifts)]
 
 
 def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]]) -> Region:

@@ -3,7 +3,7 @@
 Static first, generalise on change (Dynamo's "automatic dynamic"): a node's floats are constants of
 any region compiled from it until the same op, at the same place of a segment, comes with another
 value (a learning-rate schedule's `alpha=-lr`, a loss scale, a step counter). From then on its
-floats are left out of its fingerprint and enter the region as 0-dim float64 CPU tensors, so one
+floats are left out of its fingerprint and enter the region as 0-dim CPU tensors, so one
 compiled region serves every value. How a float becomes a tensor depends on where the schema takes
 it (`Lift`); an op whose floats none of these fit keeps them as constants and runs eagerly while
 they change.
@@ -27,6 +27,7 @@ class How(enum.Enum):
 class Lift(NamedTuple):
     position: int | str       # index into args, or the keyword's name
     how: How
+    dtype: torch.dtype        # of the 0-dim CPU tensor the float enters as
 
 
 # Ops whose `alpha` scales their second operand (add(x, y, alpha) == x + alpha * y), with the op
@@ -39,10 +40,9 @@ _TWINS = {"Scalar": "Tensor", "Tensor_Scalar": "Tensor_Tensor"}
 
 
 def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
-    """How each float argument of the op enters a region as a tensor; None where one cannot, or
-    where a tensor would change the result's dtype (numbers promote integer tensors to float,
-    a float64 tensor would promote them to float64)."""
-    if not inputs or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
+    """How each float argument of the op enters a region as a tensor; None where one cannot."""
+    dtype = _scalar_dtype(inputs)
+    if dtype is None:
         return None
     schema_args = func._schema.arguments
     by_name = {a.name: a for a in schema_args}
@@ -56,8 +56,26 @@ def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
         how = _how(func, argument, twin)
         if how is None or how is How.SCALE_OTHER and not _wide(inputs):
             return None
-        lifts.append(Lift(position, how))
+        lifts.append(Lift(position, how, dtype))
     return tuple(lifts)
+
+
+def _scalar_dtype(inputs) -> torch.dtype | None:
+    """The dtype of a tensor that computes as a number does among these inputs, or None. CPU kernels
+    convert a number to the inputs' compute type: float32 for float32 (and 16-bit) inputs, float64
+    for float64, so a float32 or float64 0-dim tensor of that dtype computes alike; it leaves the
+    result's dtype alone too. For 16-bit inputs the number must stay wider than the inputs: a
+    float64 0-dim tensor, which a dimensioned 16-bit tensor outranks in type promotion (a 0-dim
+    one would not). Integer inputs: a number makes their result float32, a tensor would not."""
+    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor)}
+    if len(dtypes) != 1 or not all(isinstance(t, torch.Tensor) for t in inputs):
+        return None
+    dtype = next(iter(dtypes))
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    if dtype in (torch.bfloat16, torch.float16) and all(t.dim() > 0 for t in inputs):
+        return torch.float64
+    return None
 
 
 def _wide(inputs) -> bool:
@@ -109,8 +127,10 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
     return graph.call_function(func, tuple(args), kwargs)
 
 
-def values_of(args, kwargs, lifts: tuple[Lift, ...]) -> list[float]:
-    return [args[lift.position] if isinstance(lift.position, int) else kwargs[lift.position] for lift in lifts]
+def tensors_of(args, kwargs, lifts: tuple[Lift, ...]) -> list[torch.Tensor]:
+    """This flush's values of the lifted floats, as the region takes them."""
+    return [torch.tensor(args[lift.position] if isinstance(lift.position, int) else kwargs[lift.position],
+                         dtype=lift.dtype) for lift in lifts]
 
 
 def _pop(args: list, kwargs: dict, position) -> None:
