@@ -284,3 +284,17 @@ def test_gradient_through_as_strided_of_as_strided_after_a_write_to_the_base():
                'v5.add_(2.0)'],
         outputs=['v7'],
     ), modes=("eager",), iterations=1)
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug (adaptive, open, present before December's changes too): "
+                   "a write through an expand() view of an input, then a gather from the input with "
+                   "indices computed from it, gives 48 of 635 wrong values on the iteration that "
+                   "compiles (found by the long fuzz run, seed 1201)")
+def test_gather_after_a_write_through_an_expand_view_of_the_input():
+    fuzzing.check(Program(
+        inputs=[((127, 5, 3), 'float32', False), ((), 'float32', False)],
+        lines=['v0 = x0.expand(127, 5, 3)', 'v0[..., 0] = 2.0',
+               'v2 = torch.gather(x0, -1, (x0.detach().abs() * 7).long().remainder(3)[..., :1])',
+               'v3 = x1 * v2'],
+        outputs=['v3'],
+    ))
