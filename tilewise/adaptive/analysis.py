@@ -102,3 +102,11 @@ def execution_order(graph: nx.DiGraph, regions: list[list[int]], count: int) -> 
     contracted.add_edges_from((group_of.get(u, ("node", u)), group_of.get(v, ("node", v)))
                               for u, v in graph.edges if group_of.get(u, ("node", u)) != group_of.get(v, ("node", v)))
     return list(nx.lexicographical_topological_sort(contracted, key=lambda g: first[g]))
+
+
+def float_dependent(nodes) -> list[bool]:
+    """Per node: it has float constants, or reads a value computed from one."""
+    floating: list[bool] = []
+    for node in nodes:
+        floating.append(node.floats or any(floating[source] for source, _ in node.srcs))
+    return floating

@@ -31,7 +31,7 @@ from .regions import (CompiledEntry, Region, alias_signature, build_graph, descr
                       needed_values, store)
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
-from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, without_floats
+from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, fill_failed, without_floats
 from .stats import RegionStats, Stats
 
 aten = torch.ops.aten
@@ -270,7 +270,7 @@ class Runtime:
         needed = needed_values(segment, graph, members)
         skeleton = tuple(n.func for n in nodes)
         dynamic = self.skeletons.count(skeleton) > threshold
-        floating = _float_dependent(nodes)
+        floating = analysis.float_dependent(nodes)
         steps, final, compiled_all = [], len(stable) == len(nodes), True
         # a region may still grow while its neighbours warm up; the block's last segment has
         # nothing after it in this block to reuse a compile: either way, compile what recurs
@@ -418,7 +418,7 @@ class Runtime:
                 if step[0] == "region":
                     self._run_tolerant(segment, _node_steps(step))
                 else:
-                    _fill_failed(segment.nodes[step[1]])
+                    fill_failed(segment.nodes[step[1]])
             except BaseException:
                 self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
                 raise
@@ -452,22 +452,6 @@ class Unfinished(NamedTuple):
 def _node_steps(step) -> list:
     """A step as eager node steps (a region's nodes one by one)."""
     return [("node", n) for n in step[1][0].nodes] if step[0] == "region" else [step]
-
-
-def _fill_failed(node) -> None:
-    if node.kind != FUNCTIONAL:
-        return  # a failed in-place op leaves its input as it was, as eagerly
-    for buffer in node.outs:
-        if buffer is not None:
-            buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
-
-
-def _float_dependent(nodes) -> list[bool]:
-    """Per node: it has float constants, or reads a value computed from one."""
-    floating: list[bool] = []
-    for node in nodes:
-        floating.append(node.floats or any(floating[source] for source, _ in node.srcs))
-    return floating
 
 
 def _replay(node) -> None:

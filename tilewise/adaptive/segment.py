@@ -233,6 +233,16 @@ class Segment:
         return None
 
 
+def fill_failed(node: Node) -> None:
+    """The outputs of a node whose op failed at a flush: NaN (zero for integers), never unwritten
+    memory."""
+    if node.kind != FUNCTIONAL:
+        return  # a failed in-place op leaves its input as it was, as eagerly
+    for buffer in node.outs:
+        if buffer is not None:
+            buffer.fill_(float("nan") if buffer.is_floating_point() or buffer.is_complex() else 0)
+
+
 def _metadata(data: torch.Tensor) -> tuple:
     return (data.shape, data.stride(), data.storage_offset(), data.dtype)
 
