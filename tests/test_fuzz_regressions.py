@@ -44,8 +44,9 @@ def test_gradient_accumulated_by_a_compiled_region():
 def test_write_through_one_input_read_through_an_aliasing_input():
     """v1, a view of x0 taken before a sync, enters the next segment's region as an input of its
     own; the region writes x0 and then reads v1. The compiler traced the two as independent
-    tensors, so the read missed the write. Fixed: a region that writes memory two of its inputs
-    share runs eagerly (adaptive/regions.py writes_shared_input, adaptive/runtime.py _entry)."""
+    tensors, so the read missed the write. Fixed first by running such a region eagerly; now the
+    region takes the shared storage once and rebuilds both views inside (adaptive/regions.py
+    Region.shared)."""
     fuzzing.check(Program(
         inputs=[
             ((4, 4), 'float32', False),
@@ -65,8 +66,8 @@ def test_gradient_of_a_boolean_mask_index():
     """The backward of x[x > 0] starts with new_zeros(grad, ..., device=neuron). Its meta kernel
     was run with that device argument, made a real device tensor, whose eager run flushed the very
     segment recording it: the node was lost and the gradient read uninitialised memory (it
-    depended on what ran before). Fixed: the meta run of a factory uses the meta device
-    (adaptive/segment.py _meta_outputs)."""
+    depended on what ran before). Fixed: the metadata run of a factory makes host tensors
+    (adaptive/segment.py _host_outputs runs the CPU kernel on stand-ins; the device is the CPU)."""
     fuzzing.check(Program(
         inputs=[
             ((128, 8, 2), 'float32', True),
