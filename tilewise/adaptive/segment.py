@@ -115,12 +115,13 @@ class Segment:
         # `sig`: what must match for a region to serve this node again: `local`, or without its
         # floats once they have changed and become region inputs (`lifts`, adaptive/scalars.py)
         node.sig, node.lifts = node.local, None
-        if node.floats:
+        float_free = without_floats(node.local) if node.floats else None
+        if float_free is not None:
             # the site: this op at this place of the segment, on these external inputs (two calls
             # alike but for their floats, such as AdamW's two _foreach_mul_, are two sites)
-            _generalise_floats(node, (len(self.nodes), tuple(node.ext), without_floats(node.local)), scalar_sites)
+            _generalise_floats(node, (len(self.nodes), tuple(node.ext), float_free), scalar_sites)
         node.fp = hash((node.sig, tuple(producer_fps)))
-        result = self._outputs(node, plan, args, kwargs, meta_cache)
+        result = self._outputs(node, plan, args, kwargs, meta_cache, float_free)
         index = len(self.nodes)
         self.nodes.append(node)
         if plan.mutates:
@@ -175,7 +176,7 @@ class Segment:
         return arg
 
     # -- outputs -------------------------------------------------------------------------------
-    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache):
+    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache, float_free):
         node.wrappers = None
         node.roots = None
         if plan.metadata_mutating:  # squeeze_, t_, resize_...: the wrapper must change shape now
@@ -202,7 +203,7 @@ class Segment:
         # A float's value decides no output's shape, strides or dtype (its type does), except
         # where floats are sizes: one entry serves every value, so a changing float (a schedule, a
         # step counter) makes no new signature each step. `_replay` holds the real result to it.
-        signature = without_floats(node.local) if node.floats and not _sizes_from_floats(node) else node.local
+        signature = float_free if float_free is not None and not _sizes_from_floats(node) else node.local
         metas = meta_cache.get(signature)
         if metas is None:
             metas = _host_outputs(node)
