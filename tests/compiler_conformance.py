@@ -43,8 +43,12 @@ def samples(op, dtype=torch.float32, limit: int | None = None) -> list:
     return found
 
 
-def outcome(op, sample) -> tuple[str, str]:
-    """(status, message) of one sample."""
+NATIVE_TIMEOUT = 120  # seconds a sample's C may take to build
+
+
+def outcome(op, sample, native: bool = False) -> tuple[str, str]:
+    """(status, message) of one sample. With `native`, the region's C kernels are built and their
+    executable is held to CPU as well (and must really run: a failed build is a FAIL)."""
     leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -79,8 +83,16 @@ def outcome(op, sample) -> tuple[str, str]:
         return FAIL, f"CompileError: {str(error).splitlines()[0]}"
     except Exception as error:
         return FAIL, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    runs = [("run", compiled.run_torch), ("interpret", compiled.interpret)]
+    if native:
+        compiled.start_native()
+        tier = compiled.wait_native(NATIVE_TIMEOUT)
+        if tier.value == "failed":
+            return FAIL, f"native: {compiled.native_failure}"
+        if tier.value == "native":
+            runs.append(("native", compiled.run))
     try:
-        for what, got in (("run", compiled.run(*fresh())), ("interpret", compiled.interpret(*fresh()))):
+        for what, got in ((what, fn(*fresh())) for what, fn in runs):
             if len(got) != len(expected):
                 return FAIL, f"{what}: {len(got)} outputs, expected {len(expected)}"
             for g, e in zip(got, expected):
@@ -91,7 +103,7 @@ def outcome(op, sample) -> tuple[str, str]:
                 torch.testing.assert_close(g, e, **TOLERANCE)
     except Exception as error:
         return FAIL, f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    return PASS, ",".join(sorted({k.kind for k in compiled.kernels}))
+    return PASS, ",".join(sorted({k.kind for k in compiled.kernels})) + ("; native" if len(runs) == 3 else "")
 
 
 def _eager_only(gm: torch.fx.GraphModule) -> bool:

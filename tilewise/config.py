@@ -17,6 +17,7 @@ from .errors import ConfigError
 
 MODES = ("eager", "adaptive", "compiled")
 DEVICES = ("trn2", "trn3")
+HOST_BACKENDS = ("native", "torch")
 
 
 def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
@@ -103,6 +104,10 @@ SETTINGS: dict[str, Setting] = {
     "signature_cache_size": Setting(16_384, "TILEWISE_SIGNATURE_CACHE_SIZE", _int_at_least(1),
                                     "per-signature entries each engine cache keeps (op metadata, fingerprints "
                                     "seen, segment shapes); least recently used are forgotten"),
+    "host_backend": Setting("native", "TILEWISE_HOST_BACKEND", _choice(HOST_BACKENDS),
+                            "what a compiled region runs on the host: its kernels as C compiled with the "
+                            "system C compiler (native; built in the background, PyTorch meanwhile) or its "
+                            "graph op by op with PyTorch's CPU kernels (torch)"),
     "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
                                "most recent kernels the timeline keeps for trace export"),
 }

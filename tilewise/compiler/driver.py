@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from ..config import config
 from ..device.spec import DeviceSpec
 from .cost import estimate_cost
 from .decompose import decompose
@@ -12,6 +13,7 @@ from .emit import emit
 from .interpreter import interpret
 from .lower import lower
 from .memory_plan import check_launch_limits, memory_plan
+from .native import HostExecutable, NativeProgram, Tier, generate
 from .partition import partition
 from .region import Region
 from .schedule import schedule
@@ -24,7 +26,7 @@ PASSES = (
     ("lower", lower),             # tile IR per group
     ("memory_plan", memory_plan), # SBUF/PSUM fit, tile-limit check
     ("schedule", schedule),       # kernels into launches, values kept in SBUF between kernels
-    ("emit", emit),               # host executable
+    ("emit", emit),               # host code: the kernels as C, beside the PyTorch executable
     ("cost", estimate_cost),      # per-launch simulated cost
 )
 _NEED_SPEC = (lower, memory_plan, schedule, estimate_cost)
@@ -32,10 +34,13 @@ _NEED_SPEC = (lower, memory_plan, schedule, estimate_cost)
 
 class CompiledRegion:
     """A compiled region: a fast host executable, its tile kernels grouped into launches, their
-    cost (one entry per launch) and the pass log."""
+    cost (one entry per launch) and the pass log.
+
+    The host executable is tiered: the region graph run op by op with PyTorch's CPU kernels, until
+    (with `config.host_backend == "native"`) the kernels' C, compiled in the background, takes over."""
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, launches, cost, refused, passes_text,
-                 compile_seconds: float, spec: DeviceSpec):
+                 compile_seconds: float, spec: DeviceSpec, native: NativeProgram | None = None):
         self.name, self.gm, self.spec = name, gm, spec
         self.launches = list(launches)
         self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
@@ -43,11 +48,37 @@ class CompiledRegion:
         self.refused = list(refused)
         self.passes_text = list(passes_text)
         self.compile_seconds = compile_seconds
-        self._forward = gm.forward
+        self.native = native if native is not None else generate(tuple(self.launches))
+        self._host = HostExecutable(gm, self.native)
 
     def run(self, *inputs) -> tuple:
         """Whole-tensor host execution; applies in-place updates of inputs like the source graph."""
-        return self._forward(*inputs)
+        return self._host.run(*inputs)
+
+    def run_torch(self, *inputs) -> tuple:
+        """The PyTorch executable, whatever the tier (the reference the native one is held to)."""
+        return self._host.torch_forward(*inputs)
+
+    def start_native(self) -> None:
+        """Start building the native executable in the background now; `run` switches when it is ready."""
+        self._host.start()
+
+    def arm_native(self) -> None:
+        """Build the native executable in the background once the region has run a few times."""
+        self._host.arm()
+
+    def wait_native(self, timeout: float | None = None) -> Tier:
+        """The host tier once a background native build is done (or `timeout` seconds have passed)."""
+        return self._host.wait(timeout)
+
+    @property
+    def host_tier(self) -> Tier:
+        return self._host.tier
+
+    @property
+    def native_failure(self) -> str:
+        """Why the native build failed (empty unless the tier is FAILED)."""
+        return self._host.failure
 
     def interpret(self, *inputs) -> tuple:
         """Reference execution of the tile programs, tile by tile, with poisoned buffers."""
@@ -71,7 +102,7 @@ class CompiledRegion:
         return sum(entry[2] for entry in self.cost)
 
     def __str__(self) -> str:
-        return "\n\n".join(self.passes_text)
+        return "\n\n".join(self.passes_text + [f"# host tier: {self._host.tier.value}"])
 
     def __repr__(self) -> str:
         return (f"CompiledRegion({self.name!r}, kernels={len(self.kernels)}, launches={len(self.launches)}, "
@@ -94,7 +125,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | N
         from ..device.runtime import DEVICE
         spec = DEVICE.spec
     _check_arguments(gm, example_inputs, spec, name)
-    return cache.compile_cached(gm, list(example_inputs), spec, name)
+    compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
+    if config.host_backend == "native":
+        compiled.arm_native()
+    return compiled
 
 
 def _check_arguments(gm, example_inputs, spec, name) -> None:
@@ -127,7 +161,7 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
     region, texts = run_passes(gm, example_inputs, spec, name)
     compiled = CompiledRegion(name, region.gm, region.launches, region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
-                              time.perf_counter() - start, spec)
+                              time.perf_counter() - start, spec, region.native)
     _smoke_run(compiled, example_inputs)
     return compiled
 

@@ -1,13 +1,16 @@
-"""Pass 5: emit the host executable: one generated Python function for the whole region.
+"""Pass 5: emit the host code: each launch's tile kernels as C (`native.generate`), beside the
+PyTorch executable (the region graph, run op by op) that refused kernels and opaque ops keep.
 
-The region graph is already ordered kernel by kernel; its generated code computes every kernel over
-whole tensors with PyTorch's CPU kernels, then writes mutated inputs back (`copy_`), exactly as the
-source graph would. Each kernel's start is marked in the source, so it reads against `print(kernel)`.
+The region graph is already ordered kernel by kernel; each kernel's start is marked in the
+PyTorch executable's source, so it reads against `print(kernel)`. Which executable runs is the
+host backend's choice (`config.host_backend`), made when the region runs, not here: the printed
+region shows the C either way.
 """
 from __future__ import annotations
 
 import torch
 
+from .native import generate
 from .region import Region
 
 
@@ -20,7 +23,7 @@ def emit(region: Region) -> Region:
         if node.name in first:
             node.meta["stack_trace"] = f"kernel {first[node.name]}"
     gm = torch.fx.GraphModule(region.gm, graph)
-    return region.replace(pass_name="emit", gm=gm)
+    return region.replace(pass_name="emit", gm=gm, native=generate(region.launches))
 
 
 def source(region_gm: torch.fx.GraphModule) -> str:

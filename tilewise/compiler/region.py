@@ -40,6 +40,7 @@ class Region:
     launches: tuple[Launch, ...] = ()  # the kernels grouped into device launches, in run order
     refused: tuple = ()              # (node or group name, reason)
     cost: tuple = ()                 # (kernel name, engine, seconds, hbm bytes, flops)
+    native: object = None            # the emit pass's NativeProgram: the kernels as C, the ones kept on PyTorch
 
     def replace(self, **changes) -> "Region":
         return replace(self, **changes)
@@ -66,4 +67,7 @@ class Region:
                          f"{entry[3]} HBM bytes, {entry[4]} flops")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")
+        if self.native is not None:
+            lines.append("")
+            lines.append(str(self.native))
         return "\n".join(lines)

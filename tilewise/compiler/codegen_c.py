@@ -1,0 +1,553 @@
+"""Tile programs as C: one function per kernel, its loops the kernel's RANGE/END loops.
+
+Every tile instruction gets a static scratch buffer of its full tile size ([partitions x free], the
+SBUF tile it stands for, small enough to stay in cache) and computes on the valid extent of the
+current edge tile, `min(step, extent - start)`, exactly as the interpreter does. DMA loads and stores
+are strided copies between HBM (the tensors' memory, strides fixed at compile time) and those
+buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). Element-wise ops follow
+PyTorch's CPU semantics: scalars are cast to the op's dtype first, NaN propagates through max, min
+and relu, integers wrap (`-fwrapv`), and no multiply-add is contracted (`-ffp-contract=off`), so
+add, sub, mul and div are bitwise PyTorch's. Transcendentals (libm) and reductions (summation
+order) agree within the dtype's tolerance.
+
+A kernel the emitter cannot express raises `Unsupported` with a typed reason; the caller keeps the
+PyTorch executable for it.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .tile_ir import HbmRef, Kernel, Ops, TileOp
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+C_TYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t", torch.int32: "int32_t",
+           torch.int16: "int16_t", torch.int8: "int8_t", torch.uint8: "uint8_t", torch.bool: "uint8_t"}
+PSUM_TYPE = "float"  # matmul accumulators are fp32, as the interpreter's and the hardware's
+
+PRELUDE = r"""#include <stdint.h>
+#include <tgmath.h>
+#define TW_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TW_ALIGN __attribute__((aligned(64)))
+/* NaN-propagating max/min/relu, as PyTorch's (C's fmax/fmin drop NaN) */
+#define TW_MAX(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) > (b) ? (a) : (b))
+#define TW_MINV(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) < (b) ? (a) : (b))
+"""
+
+
+class NativeReason(enum.Enum):
+    """Why a kernel keeps the PyTorch executable instead of C."""
+    OPAQUE = "opaque"              # the kernel is one host aten op, not a tile program
+    DTYPE = "dtype"                # a tile or tensor dtype C has no exact type for (bf16, f16, complex)
+    OP = "op"                      # an engine op the emitter does not translate
+    LAYOUT = "layout"              # a tile axis or HBM view the emitter does not index
+    MATMUL_ON_BLAS = "matmul_on_blas"  # matmul kernels run PyTorch's mm (faster than the C loop)
+
+
+class Unsupported(Exception):
+    def __init__(self, reason: NativeReason, detail: str):
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class HbmArg:
+    """One pointer argument of a kernel function: a tensor (or its materialised 2-D view) in HBM."""
+    hbm: str                  # the kernel's name for it (x_hbm)
+    ref: HbmRef
+    strides: tuple[int, ...]  # element strides of the (batch,) rows, cols view the tiles index
+    offset: int               # elements from the tensor's first element to the view's
+    materialise: bool = False  # inputs: the view is not a strided view of the tensor; pass a contiguous copy
+
+
+@dataclass(frozen=True)
+class CKernel:
+    name: str
+    symbol: str
+    nodes: tuple[str, ...]    # the region values the kernel computes (its nodes in the graph)
+    inputs: tuple[HbmArg, ...]
+    outputs: tuple[HbmArg, ...]
+    source: str
+
+
+def c_type(dtype: torch.dtype) -> str:
+    if dtype not in C_TYPES:
+        raise Unsupported(NativeReason.DTYPE, f"{dtype} has no exact C type here")
+    return C_TYPES[dtype]
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """A Python scalar as a C constant of `dtype`: PyTorch casts a scalar operand to the op's dtype."""
+    ctype = c_type(dtype)
+    if isinstance(value, bool) or dtype == torch.bool:
+        return f"(({ctype}){int(bool(value))})"
+    if not isinstance(value, (int, float)):
+        raise Unsupported(NativeReason.OP, f"operand {value!r} is not a number")
+    if dtype.is_floating_point:
+        number = float(value)
+        if math.isnan(number):
+            return f"(({ctype})NAN)"
+        if math.isinf(number):
+            return f"(({ctype}){'-' if number < 0 else ''}INFINITY)"
+        return f"(({ctype}){number!r})"
+    if isinstance(value, float) and not value.is_integer():
+        raise Unsupported(NativeReason.OP, f"float operand {value!r} of an integer op")
+    return f"(({ctype})INT64_C({int(value)}))"
+
+
+def cast(expr: str, source: torch.dtype, target: torch.dtype) -> str:
+    if source == target:
+        return expr
+    if target == torch.bool:
+        return f"((uint8_t)(({expr}) != 0))"
+    return f"(({c_type(target)})({expr}))"
+
+
+# -- element-wise ops: name -> (how the compute dtype is chosen, C expression of the operands) --------
+
+OUT, COMPARE, LOGICAL = "out", "compare", "logical"
+
+
+def _alpha(call: Callable[[str, str], str]):
+    def expr(a, b, alpha=None):
+        return call(a, b) if alpha is None else call(a, f"({alpha} * {b})")
+    return expr
+
+
+def _pow(a, exponent):
+    return {"2": f"({a} * {a})", "3": f"({a} * {a} * {a})", "1": a, "-1": f"(1 / {a})",
+            "0.5": f"sqrt({a})", "-0.5": f"(1 / sqrt({a}))"}.get(getattr(exponent, "raw", None),
+                                                                 f"pow({a}, {exponent})")
+
+
+def _remainder(a, b):
+    return f"tw_remainder({a}, {b})"
+
+
+_UNARY_MATH = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "sin": "sin", "cos": "cos",
+               "erf": "erf", "log1p": "log1p", "expm1": "expm1", "floor": "floor", "ceil": "ceil",
+               "trunc": "trunc", "round": "nearbyint", "abs": "fabs", "log2": "log2", "exp2": "exp2",
+               "tan": "tan", "atan": "atan", "asin": "asin", "acos": "acos", "sinh": "sinh", "cosh": "cosh",
+               "asinh": "asinh", "acosh": "acosh", "atanh": "atanh", "erfc": "erfc", "log10": "log10"}
+
+ELEMENTWISE: dict[str, tuple[str, Callable]] = {
+    "add": (OUT, _alpha(lambda a, b: f"({a} + {b})")),
+    "sub": (OUT, _alpha(lambda a, b: f"({a} - {b})")),
+    "rsub": (OUT, _alpha(lambda a, b: f"({b} - {a})")),
+    "mul": (OUT, lambda a, b: f"({a} * {b})"),
+    "div": (OUT, lambda a, b: f"({a} / {b})"),
+    "neg": (OUT, lambda a: f"(-{a})"),
+    "reciprocal": (OUT, lambda a: f"(1 / {a})"),
+    "rsqrt": (OUT, lambda a: f"(1 / sqrt({a}))"),
+    "sigmoid": (OUT, lambda a: f"(1 / (1 + exp(-{a})))"),
+    "relu": (OUT, lambda a: f"TW_MAX({a}, 0)"),
+    "maximum": (OUT, lambda a, b: f"TW_MAX({a}, {b})"),
+    "minimum": (OUT, lambda a, b: f"TW_MINV({a}, {b})"),
+    "clamp_min": (OUT, lambda a, b: f"TW_MAX({a}, {b})"),
+    "clamp_max": (OUT, lambda a, b: f"TW_MINV({a}, {b})"),
+    "pow": (OUT, _pow),
+    "remainder": (OUT, _remainder),
+    "eq": (COMPARE, lambda a, b: f"({a} == {b})"),
+    "ne": (COMPARE, lambda a, b: f"({a} != {b})"),
+    "lt": (COMPARE, lambda a, b: f"({a} < {b})"),
+    "le": (COMPARE, lambda a, b: f"({a} <= {b})"),
+    "gt": (COMPARE, lambda a, b: f"({a} > {b})"),
+    "ge": (COMPARE, lambda a, b: f"({a} >= {b})"),
+    "isnan": (COMPARE, lambda a: f"({a} != {a})"),
+    "logical_not": (LOGICAL, lambda a: f"(!{a})"),
+    "logical_and": (LOGICAL, lambda a, b: f"({a} && {b})"),
+    "logical_or": (LOGICAL, lambda a, b: f"({a} || {b})"),
+    "logical_xor": (LOGICAL, lambda a, b: f"(!{a} != !{b})"),
+    "bitwise_and": (OUT, lambda a, b: f"({a} & {b})"),
+    "bitwise_or": (OUT, lambda a, b: f"({a} | {b})"),
+    "bitwise_xor": (OUT, lambda a, b: f"({a} ^ {b})"),
+    **{name: (OUT, (lambda fn: lambda a: f"{fn}({a})")(fn)) for name, fn in _UNARY_MATH.items()},
+}
+# Ops whose value is their (first) operand cast to the output dtype.
+CASTS = frozenset({"clone", "alias", "_to_copy", "convert_element_type", "lift_fresh_copy", "view", "_unsafe_view",
+                   "reshape", "squeeze", "unsqueeze", "expand", "broadcast_in_dim"})
+CONSTANT_LIKE = {"zeros_like": 0, "ones_like": 1}
+# Integer ops C would trap or misbehave on (division by zero): PyTorch raises or defines them.
+INTEGER_UNSAFE = frozenset({"div", "remainder", "reciprocal", "pow"})
+
+REMAINDER_HELPERS = r"""
+static inline double tw_remainder_f(double a, double b) {
+  double m = fmod(a, b); return (m != 0 && ((b < 0) != (m < 0))) ? m + b : m; }
+static inline int64_t tw_remainder_i(int64_t a, int64_t b) {
+  int64_t m = a % b; return (m != 0 && ((b < 0) != (m < 0))) ? m + b : m; }
+#define tw_remainder(a, b) _Generic((a), float: (float)tw_remainder_f(a, b), double: tw_remainder_f(a, b), \
+  default: tw_remainder_i(a, b))
+"""
+
+
+class Scalar(str):
+    """A scalar operand's C literal, remembering the Python text (for pow's special exponents)."""
+    raw: str
+
+    def __new__(cls, text: str, raw: str):
+        made = super().__new__(cls, text)
+        made.raw = raw
+        return made
+
+
+def op_name(target) -> str:
+    """`aten.add.Tensor` -> "add"; prims ops by their own name."""
+    return target._opname if hasattr(target, "_opname") else str(target).split(".")[-2]
+
+
+def _bind(target, args, kwargs) -> dict:
+    """The call's arguments by schema name (templates still holding ("$", i) tile refs)."""
+    names = [a.name for a in target._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _is_tile(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and value[0] == "$"
+
+
+def _compute_dtype(kind: str, op: TileOp, operands: list) -> torch.dtype:
+    if kind == OUT:
+        return op.dtype
+    if kind == LOGICAL:
+        return torch.bool
+    tiles = [op.srcs[v[1]].dtype for v in operands if _is_tile(v)]
+    dtype = tiles[0]
+    for other in tiles[1:]:
+        dtype = torch.promote_types(dtype, other)
+    if any(isinstance(v, float) for v in operands if not _is_tile(v)) and not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    return dtype
+
+
+class KernelWriter:
+    """Writes one kernel's C function."""
+
+    def __init__(self, kernel: Kernel, symbol: str, args: dict[str, HbmArg]):
+        self.kernel, self.symbol, self.args = kernel, symbol, args
+        self.lines: list[str] = []
+        self.buffers: dict[int, str] = {}     # id(op) -> its scratch buffer
+        self.declared: list[str] = []
+        self.extent = {op.arg[0]: op.arg[1] for op in kernel.body if op.op is Ops.RANGE}
+        self.accumulator: dict[int, int] = {}
+        for op in kernel.body:
+            if op.op is Ops.MATMUL:
+                self.accumulator[id(op)] = self.accumulator.get(id(op.srcs[0]), id(op.srcs[0]))
+        self.depth = 1
+
+    # -- names and extents
+    def var(self, name: str | None) -> str:
+        return f"v_{name}"
+
+    def count(self, axis) -> str:
+        var, size = axis
+        if var is None:
+            return "1"
+        if var not in self.extent:
+            raise Unsupported(NativeReason.LAYOUT, f"tile axis {var} has no loop")
+        return f"TW_MIN({size}, {self.extent[var]} - {self.var(var)})"
+
+    def start(self, axis) -> str:
+        return "0" if axis[0] is None else self.var(axis[0])
+
+    def buffer(self, op: TileOp) -> str:
+        key = self.accumulator.get(id(op), id(op))
+        if key not in self.buffers:
+            name = f"t{len(self.buffers)}_{op.name or op.op.value}"
+            rows, cols = (size for _, size in op.shape[:2])
+            ctype = PSUM_TYPE if op.space == "psum" else c_type(op.dtype)
+            self.declared.append(f"  static {ctype} {name}[{rows * cols}] TW_ALIGN;")
+            self.buffers[key] = name
+        return self.buffers[key]
+
+    def element(self, op: TileOp, like: TileOp) -> str:
+        """`op`'s element read at (p, f) of a tile shaped like `like` (a [p, 1] tile broadcasts)."""
+        pitch = op.shape[1][1]
+        row = "p" if op.shape[0][0] is not None else "0"
+        col = "f" if op.shape[1][0] is not None else "0"
+        for mine, theirs in zip(op.shape[:2], like.shape[:2]):
+            if mine[0] is not None and mine[0] != theirs[0]:
+                raise Unsupported(NativeReason.LAYOUT, f"{op.name} is read on axis {theirs[0]}, tiled on {mine[0]}")
+        return f"{self.buffer(op)}[{row} * {pitch} + {col}]"
+
+    def emit(self, text: str) -> None:
+        self.lines.append("  " * self.depth + text)
+
+    def tile_loop(self, op: TileOp, body: str) -> None:
+        """for p, f over `op`'s valid extent: body (which writes `out`)."""
+        pitch = op.shape[1][1]
+        self.emit(f"for (int64_t p = 0; p < {self.count(op.shape[0])}; p++) "
+                  f"for (int64_t f = 0; f < {self.count(op.shape[1])}; f++) "
+                  f"{self.buffer(op)}[p * {pitch} + f] = {body};")
+
+    def hbm_index(self, arg: HbmArg, row: str, col: str, tile: TileOp) -> str:
+        strides = arg.strides
+        index = f"{arg.offset} + ({row}) * {strides[-2]} + ({col}) * {strides[-1]}"
+        if len(strides) == 3:
+            if tile.batch is None:
+                raise Unsupported(NativeReason.LAYOUT, f"{arg.hbm} is batched, its tile {tile.name} is not")
+            index += f" + {self.var(tile.batch)} * {strides[0]}"
+        elif tile.batch is not None:
+            raise Unsupported(NativeReason.LAYOUT, f"{tile.name} is batched, {arg.hbm} is not")
+        return index
+
+    # -- the program
+    def write(self) -> str:
+        for op in self.kernel.body:
+            getattr(self, f"op_{op.op.value}")(op)
+        params = ", ".join([f"int64_t {a.hbm}_addr" for a in self.args.values()])
+        pointers = [f"  {'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *{a.hbm} = "
+                    f"({'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
+                    for a in self.args.values()]
+        return "\n".join([f"/* kernel {self.kernel.name} ({self.kernel.kind}) */",
+                          f"int {self.symbol}({params or 'void'}) {{", *self.declared, *pointers, *self.lines,
+                          "  return 0;", "}"])
+
+    def inputs(self) -> list[HbmArg]:
+        return [a for name, a in self.args.items() if name in self.kernel.inputs]
+
+    def op_range(self, op: TileOp) -> None:
+        var, extent, step = op.arg
+        self.emit(f"for (int64_t {self.var(var)} = 0; {self.var(var)} < {extent}; {self.var(var)} += {step}) {{")
+        self.depth += 1
+
+    def op_end(self, op: TileOp) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+    def op_load(self, op: TileOp) -> None:
+        name, transpose = op.arg
+        arg = self.args[name]
+        rows_axis, cols_axis = (op.shape[1], op.shape[0]) if transpose else op.shape[:2]
+        row = f"{self.start(rows_axis)} + {'f' if transpose else 'p'}"
+        col = f"{self.start(cols_axis)} + {'p' if transpose else 'f'}"
+        if op.srcs:  # indirect: partition p reads the row its index names
+            if transpose:
+                raise Unsupported(NativeReason.LAYOUT, f"{op.name}: a transposed indirect load")
+            rows = arg.ref.rows_cols[-2]
+            index = self.element(op.srcs[0], op.srcs[0])
+            self.emit(f"for (int64_t p = 0; p < {self.count(op.shape[0])}; p++) {{")
+            self.emit(f"  const int64_t row = (int64_t){index};")
+            self.emit(f"  if (row < 0 || row >= {rows}) return 1;  /* index out of range: the host raises */")
+            self.emit(f"  for (int64_t f = 0; f < {self.count(op.shape[1])}; f++) "
+                      f"{self.buffer(op)}[p * {op.shape[1][1]} + f] = {name}[{self.hbm_index(arg, 'row', col, op)}];")
+            self.emit("}")
+            return
+        self.tile_loop(op, f"{name}[{self.hbm_index(arg, row, col, op)}]")
+
+    def op_store(self, op: TileOp) -> None:
+        src, arg = op.srcs[0], self.args[op.arg]
+        value = f"{self.buffer(src)}[p * {src.shape[1][1]} + f]"
+        col = f"{self.start(src.shape[1])} + f"
+        loops = f"for (int64_t f = 0; f < {self.count(src.shape[1])}; f++) "
+        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
+        if len(op.srcs) == 2:  # indirect accumulate: duplicates add up, in partition order
+            rows = arg.ref.rows_cols[-2]
+            self.emit(f"  const int64_t row = (int64_t){self.element(op.srcs[1], op.srcs[1])};")
+            self.emit(f"  if (row < 0 || row >= {rows}) return 1;")
+            self.emit(f"  {loops}{op.arg}[{self.hbm_index(arg, 'row', col, src)}] += {value};")
+        else:
+            row = f"{self.start(src.shape[0])} + p"
+            self.emit(f"  {loops}{op.arg}[{self.hbm_index(arg, row, col, src)}] = {value};")
+        self.emit("}")
+
+    def op_alu(self, op: TileOp) -> None:
+        target, args, kwargs = op.arg
+        name = op_name(target)
+        c_type(op.dtype)
+        for src in op.srcs:
+            c_type(src.dtype)
+        bound = _bind(target, args, kwargs)
+        if name in CONSTANT_LIKE or name == "full_like":
+            value = CONSTANT_LIKE.get(name, bound.get("fill_value"))
+            self.tile_loop(op, literal(value, op.dtype))
+        elif name in CASTS:
+            source = op.srcs[0]
+            self.tile_loop(op, cast(self.element(source, op), source.dtype, op.dtype))
+        elif name in ("where", "copy"):
+            self.tile_loop(op, self.select(op, bound) if name == "where" else
+                           cast(self.operand(bound["src"], op, op.dtype), op.srcs[_ref(bound["src"])].dtype
+                                if _is_tile(bound["src"]) else op.dtype, op.dtype))
+        elif name in ELEMENTWISE:
+            if name == "eq":
+                self.check_one_hot_index(op)
+            self.tile_loop(op, self.elementwise(op, name, bound))
+        else:
+            raise Unsupported(NativeReason.OP, f"{target} has no C translation")
+
+    def check_one_hot_index(self, op: TileOp) -> None:
+        """A gather's or scatter's one-hot mask (`iota == index`): an index outside the row selects
+        nothing on chip, where PyTorch raises; the function returns 1 and the host raises."""
+        iota = [src for src in op.srcs if src.op is Ops.IOTA]
+        if not iota or len(op.srcs) != 2 or iota[0].shape[1][0] is None:
+            return
+        index = next(src for src in op.srcs if src is not iota[0])
+        size = self.extent[iota[0].shape[1][0]]
+        self.emit(f"for (int64_t p = 0; p < {self.count(index.shape[0])}; p++) "
+                  f"for (int64_t f = 0; f < {self.count(index.shape[1])}; f++) "
+                  f"if ({self.element(index, index)} < 0 || {self.element(index, index)} >= {size}) return 1;")
+
+    def elementwise(self, op: TileOp, name: str, bound: dict) -> str:
+        kind, fn = ELEMENTWISE[name]
+        operands = [v for key, v in bound.items() if key not in ("alpha", "out")]
+        if name == "pow" and not _is_tile(bound.get("exponent")) and "exponent" in bound:
+            operands = [bound["self"]]
+        compute = _compute_dtype(kind, op, operands + ([bound["exponent"]] if name == "pow" and
+                                                       "exponent" in bound else []))
+        if not compute.is_floating_point and name in INTEGER_UNSAFE and compute != torch.bool:
+            divisor = operands[-1] if name != "pow" else bound.get("exponent")
+            if _is_tile(divisor) or not isinstance(divisor, int) or divisor == 0 or name in ("reciprocal", "div"):
+                raise Unsupported(NativeReason.OP, f"integer {name} (C traps where PyTorch raises or defines it)")
+        values = [self.operand(v, op, compute) for v in operands]
+        extra = {}
+        if bound.get("alpha") is not None:
+            extra["alpha"] = literal(bound["alpha"], compute)
+        if name == "pow" and "exponent" in bound and not _is_tile(bound["exponent"]):
+            values.append(Scalar(literal(bound["exponent"], compute), repr(bound["exponent"]).rstrip("0")
+                                 .rstrip(".") if isinstance(bound["exponent"], float) else repr(bound["exponent"])))
+        result_type = torch.bool if kind in (COMPARE, LOGICAL) else compute
+        return cast(fn(*values, **extra), result_type, op.dtype)
+
+    def operand(self, value, op: TileOp, compute: torch.dtype) -> str:
+        if _is_tile(value):
+            src = op.srcs[value[1]]
+            return cast(self.element(src, op), src.dtype, compute)
+        if isinstance(value, (bool, int, float)):
+            return literal(value, compute)
+        raise Unsupported(NativeReason.OP, f"operand {value!r} of {op.arg[0]}")
+
+    def select(self, op: TileOp, bound: dict) -> str:
+        condition = self.operand(bound["condition"] if "condition" in bound else bound["pred"], op, torch.bool)
+        a = bound.get("self", bound.get("a"))
+        b = bound.get("other", bound.get("b"))
+        return f"({condition} ? {self.operand(a, op, op.dtype)} : {self.operand(b, op, op.dtype)})"
+
+    def op_reduce(self, op: TileOp) -> None:
+        target, args, kwargs = op.arg
+        name, bound = op_name(target), _bind(target, args, kwargs)
+        src = op.srcs[0]
+        out_type = c_type(op.dtype)
+        accumulate = "double" if op.dtype.is_floating_point else out_type
+        x = cast(self.element(src, src), src.dtype, op.dtype)
+        combine = {"sum": "acc += x;", "mean": "acc += x;", "prod": "acc *= x;", "amax": "acc = TW_MAX(acc, x);",
+                   "amin": "acc = TW_MINV(acc, x);"}
+        if name not in combine and name != "var":
+            raise Unsupported(NativeReason.OP, f"reduction {target} has no C translation")
+        if name in ("amax", "amin"):
+            accumulate = out_type
+        count = self.count(src.shape[1])
+        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
+        self.emit(f"  const int64_t n = {count};")
+        if name == "var":
+            correction = bound.get("correction")
+            correction = 1 if correction is None else correction
+            self.emit(f"  double mean = 0; for (int64_t f = 0; f < n; f++) {{ double x = {x}; mean += x; }} mean /= n;")
+            self.emit(f"  double acc = 0; for (int64_t f = 0; f < n; f++) {{ double x = {x}; acc += (x - mean) * "
+                      f"(x - mean); }}")
+            self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})(acc / TW_MAX(0.0, n - "
+                      f"{float(correction)!r}));")
+        else:
+            self.emit(f"  {accumulate} acc = {'1' if name == 'prod' else '0'};")
+            if name in ("amax", "amin"):  # from the first element, so NaN and -inf rows come out as they are
+                self.emit("  if (n > 0) { const int64_t f = 0; acc = " + x + "; }")
+            self.emit(f"  for (int64_t f = 0; f < n; f++) {{ const {accumulate} x = {x}; {combine[name]} }}")
+            final = "acc / n" if name == "mean" else "acc"
+            self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})({final});")
+        self.emit("}")
+
+    def op_broadcast(self, op: TileOp) -> None:
+        self.tile_loop(op, self.element(op.srcs[0], op))
+
+    def op_zero(self, op: TileOp) -> None:
+        self.tile_loop(op, "0")
+
+    def op_matmul(self, op: TileOp) -> None:
+        acc, lhs_t, rhs = op.srcs
+        a_pitch, r_pitch, o_pitch = lhs_t.shape[1][1], rhs.shape[1][1], op.shape[1][1]
+        a = cast(f"{self.buffer(lhs_t)}[k * {a_pitch} + p]", lhs_t.dtype, torch.float32)
+        b = cast(f"{self.buffer(rhs)}[k * {r_pitch} + f]", rhs.dtype, torch.float32)
+        self.emit(f"for (int64_t k = 0; k < {self.count(lhs_t.shape[0])}; k++) "
+                  f"for (int64_t p = 0; p < {self.count(op.shape[0])}; p++) {{")
+        self.emit(f"  const float a = {a};")
+        self.emit(f"  for (int64_t f = 0; f < {self.count(op.shape[1])}; f++) "
+                  f"{self.buffer(op)}[p * {o_pitch} + f] += a * {b};")
+        self.emit("}")
+
+    def op_copy(self, op: TileOp) -> None:
+        self.tile_loop(op, cast(self.element(op.srcs[0], op), torch.float32, op.dtype))
+
+    def op_fill(self, op: TileOp) -> None:
+        self.tile_loop(op, literal(op.arg, op.dtype))
+
+    def op_iota(self, op: TileOp) -> None:
+        self.tile_loop(op, cast(f"({self.start(op.shape[1])} + f)", torch.int64, op.dtype))
+
+
+def _ref(value) -> int:
+    return value[1]
+
+
+def hbm_args(kernel: Kernel) -> dict[str, HbmArg]:
+    """Every HBM pointer of the kernel with the strides of the view its tiles index."""
+    args = {name: _input_arg(name, ref) for name, ref in kernel.inputs.items()}
+    args.update({name: _output_arg(name, ref) for name, ref in kernel.outputs.items()})
+    return args
+
+
+def _meta(ref: HbmRef) -> torch.Tensor:
+    c_type(ref.dtype)
+    return torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device="meta")
+
+
+def _input_arg(name: str, ref: HbmRef) -> HbmArg:
+    tensor = _meta(ref)
+    try:
+        view = tensor.broadcast_to(ref.view or ref.shape).view(ref.rows_cols)
+    except RuntimeError:  # not a strided view of the tensor: the host passes a contiguous copy
+        contiguous = torch.empty(ref.rows_cols, device="meta")
+        return HbmArg(name, ref, tuple(contiguous.stride()), 0, materialise=True)
+    return HbmArg(name, ref, tuple(view.stride()), view.storage_offset() - tensor.storage_offset())
+
+
+def output_buffer_is_contiguous(ref: HbmRef) -> bool:
+    """An output the kernel writes into a contiguous buffer: broadcast (stride 0) results are
+    written out whole, as the interpreter does; other strides are taken as they are."""
+    return any(stride == 0 and size > 1 for size, stride in zip(ref.shape, ref.stride))
+
+
+def _output_arg(name: str, ref: HbmRef) -> HbmArg:
+    whole = torch.empty(ref.shape, dtype=ref.dtype, device="meta") if output_buffer_is_contiguous(ref) \
+        else _meta(ref)
+    try:
+        if math.prod(ref.rows_cols) == whole.numel():
+            view = whole.view(ref.rows_cols)
+        else:  # a store into some columns of a wider tensor (a part of a cat)
+            cols = ref.rows_cols[-1]
+            view = whole.view(-1, ref.shape[-1])[:, ref.col_offset:ref.col_offset + cols].view(ref.rows_cols)
+    except RuntimeError as error:
+        raise Unsupported(NativeReason.LAYOUT, f"{name}: output strides {ref.stride} do not view as "
+                          f"{list(ref.rows_cols)}") from error
+    return HbmArg(name, ref, tuple(view.stride()), view.storage_offset() - whole.storage_offset())
+
+
+def kernel_c(kernel: Kernel, symbol: str) -> CKernel:
+    """The kernel as one C function `int symbol(addresses...)` returning 0, or 1 on an index out of
+    range; raises Unsupported for what the emitter cannot express."""
+    if kernel.kind == "opaque":
+        raise Unsupported(NativeReason.OPAQUE, f"runs the host op {kernel.opaque_target}")
+    args = hbm_args(kernel)
+    source = KernelWriter(kernel, symbol, args).write()
+    inputs = tuple(args[name] for name in kernel.inputs)
+    outputs = tuple(args[name] for name in kernel.outputs)
+    return CKernel(kernel.name, symbol, kernel.nodes, inputs, outputs, source)
+
+
+def translation_unit(kernels: list[CKernel]) -> str:
+    return "\n".join([PRELUDE, REMAINDER_HELPERS] + [k.source + "\n" for k in kernels])

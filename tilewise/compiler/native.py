@@ -1,0 +1,353 @@
+"""The native host backend: a compiled region's tile programs run as C.
+
+`generate` (called by the emit pass) turns every kernel of every launch into a C function
+(`codegen_c`); a kernel it cannot express keeps PyTorch's executable, with a typed reason. The
+system C compiler builds one shared library per region (key: sha256 of the source, the command line
+and the compiler's version, as inductor's CppCodeCache and tinygrad's CPU backend do), loaded with
+`ctypes`. The region's executable is then its graph with each native kernel's nodes replaced by one
+call of its function (a mixed executable: opaque ops, views and refused kernels stay PyTorch ops).
+
+Tiered, as JIT compilers are: a region starts on its PyTorch executable; `HostExecutable` switches
+to the native one when a background thread has built it. With a cache directory the library is
+kept there as `<key>.so.twn`, authenticated like the cache's entries (HMAC over the file's bytes with
+the user's key); it is loaded from a memfd holding exactly the bytes that were verified, so a file
+changed after the check is never the one executed.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import enum
+import functools
+import hashlib
+import operator
+import os
+import queue
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..config import config
+from ..errors import CompileError
+from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
+from .tile_ir import Launch
+
+COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-ffp-contract=off", "-fwrapv", "-fno-math-errno")
+COMPILE_TIMEOUT_SECONDS = 120
+C_COMPILER = "cc"  # the system C compiler, found on PATH
+NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
+# Matmul kernels: PyTorch's mm (oneDNN/MKL, blocked and vectorised with FMA) beats the C loop over
+# 128 x 512 tiles by a wide margin (see benchmarks/native_matmul.py), so they keep PyTorch.
+NATIVE_MATMUL = False
+
+
+@dataclass(frozen=True)
+class NativeRefusal:
+    kernel: str
+    reason: NativeReason
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel} keeps PyTorch: {self.reason.value}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class NativeProgram:
+    """What the emit pass produced: the C functions of the region's kernels and the kernels that
+    keep PyTorch's executable, with why."""
+    kernels: tuple[CKernel, ...]
+    refused: tuple[NativeRefusal, ...]
+
+    @functools.cached_property
+    def source(self) -> str:
+        return translation_unit(list(self.kernels)) if self.kernels else ""
+
+    def __str__(self) -> str:
+        lines = [f"# native host code: {len(self.kernels)} kernels in C, {len(self.refused)} on PyTorch"]
+        lines += [f"#   {refusal}" for refusal in self.refused]
+        return "\n".join(lines + ([self.source] if self.kernels else []))
+
+
+class Tier(enum.Enum):
+    TORCH = "torch"          # PyTorch executable, native not asked for (host_backend=torch)
+    COMPILING = "compiling"  # PyTorch executable while the C compiles in the background
+    NATIVE = "native"        # the mixed executable with the C kernels
+    FAILED = "failed"        # native could not be built (no compiler, compile error): PyTorch, warned once
+
+
+def generate(launches: tuple[Launch, ...]) -> NativeProgram:
+    kernels, refused = [], []
+    for kernel in (k for launch in launches for k in launch.kernels):
+        try:
+            if kernel.kind == "matmul" and not NATIVE_MATMUL:
+                raise Unsupported(NativeReason.MATMUL_ON_BLAS, "PyTorch's mm is faster than the C tile loop")
+            kernels.append(kernel_c(kernel, f"tw_kernel_{len(kernels)}"))
+        except Unsupported as why:
+            refused.append(NativeRefusal(kernel.name, why.reason, why.detail))
+    return NativeProgram(tuple(kernels), tuple(refused))
+
+
+# -- the C compiler ------------------------------------------------------------------------------
+
+_warned: set = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=1)
+def compiler() -> tuple[str, str] | None:
+    """(path, version line) of the system C compiler, or None when there is none."""
+    path = shutil.which(C_COMPILER)
+    if path is None:
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path, version.splitlines()[0] if version else ""
+
+
+def library_key(source: str) -> str:
+    found = compiler()
+    digest = hashlib.sha256()
+    for part in (source, " ".join(COMPILE_FLAGS), found[1] if found else ""):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def build(source: str) -> bytes:
+    """The shared library's bytes: C on stdin, the object written to a private temporary directory."""
+    found = compiler()
+    if found is None:
+        raise CompileError(f"no C compiler {C_COMPILER!r} on PATH")
+    with tempfile.TemporaryDirectory(prefix="tilewise-native-") as directory:
+        target = os.path.join(directory, "kernels.so")
+        command = [found[0], *COMPILE_FLAGS, "-x", "c", "-", "-o", target, "-lm"]
+        try:
+            done = subprocess.run(command, input=source, capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_SECONDS)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise CompileError(f"the C compiler could not run: {error}") from error
+        if done.returncode != 0:
+            raise CompileError(f"the C compiler failed ({done.returncode}): {done.stderr[-2000:]}")
+        with open(target, "rb") as built:
+            return built.read()
+
+
+_libraries: dict[str, ctypes.PyDLL] = {}
+_library_lock = threading.Lock()
+
+
+def load(source: str) -> ctypes.PyDLL:
+    """The loaded library for `source`: from memory, the disk cache, or built now."""
+    from . import cache
+    key = library_key(source)
+    with _library_lock:
+        if key in _libraries:
+            return _libraries[key]
+    data = cache.load_native(key) if config.cache_dir else None
+    if data is None:
+        data = build(source)
+        if config.cache_dir:
+            cache.store_native(key, data)
+    library = _open_bytes(data, key)
+    with _library_lock:
+        return _libraries.setdefault(key, library)
+
+
+def _open_bytes(data: bytes, key: str) -> ctypes.PyDLL:
+    """dlopen exactly these bytes: written to a file named by their key in this process's private
+    directory (0700, mkdtemp), loaded, then unlinked, so no one else can swap the file in between.
+    dlopen knows a library by its path, hence one name per key. PyDLL keeps the GIL held during a
+    call, which also serialises the kernels' static scratch buffers."""
+    path = os.path.join(_private_directory(), f"{key}.so")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        return ctypes.PyDLL(path)
+    finally:
+        os.unlink(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _private_directory() -> str:
+    path = tempfile.mkdtemp(prefix="tilewise-native-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+# -- the mixed executable ------------------------------------------------------------------------
+
+class IndexOutOfRange(Exception):
+    """A native kernel met an index outside its tensor; the PyTorch executable raises PyTorch's error."""
+
+
+class _KernelCall:
+    """Calls one C kernel: the input tensors' addresses (relaid out to the compiled strides if they
+    come otherwise), fresh outputs in the region's strides, and their addresses."""
+
+    def __init__(self, ckernel: CKernel, function):
+        self.name = ckernel.name
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_int64] * (len(ckernel.inputs) + len(ckernel.outputs))
+        self.function = function
+        self.input_nodes = list(dict.fromkeys(a.ref.node for a in ckernel.inputs))
+        self.output_nodes = list(dict.fromkeys(a.ref.node for a in ckernel.outputs))
+        self.inputs = [(self.input_nodes.index(a.ref.node), a) for a in ckernel.inputs]
+        refs = {a.ref.node: a.ref for a in ckernel.outputs}
+        self.allocations = [_allocation(refs[node]) for node in self.output_nodes]
+        self.outputs = [self.output_nodes.index(a.ref.node) for a in ckernel.outputs]
+
+    def __call__(self, *tensors):
+        held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
+        outputs = [allocate() for allocate in self.allocations]
+        addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
+        if self.function(*addresses) != 0:
+            raise IndexOutOfRange(self.name)
+        return tuple(outputs)
+
+    @staticmethod
+    def prepared(tensor: torch.Tensor, arg) -> torch.Tensor:
+        """The tensor the kernel reads (its view's offset is in the C): the input itself, or a copy
+        in the layout the C was compiled for (a broadcast the tiles cannot index as a strided view,
+        or strides other than the region's)."""
+        ref = arg.ref
+        if arg.materialise:
+            return tensor.broadcast_to(ref.view or ref.shape).contiguous()
+        if tensor.stride() != ref.stride or tensor.dtype != ref.dtype:
+            tensor = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(tensor)
+        return tensor
+
+
+def _allocation(ref):
+    from .codegen_c import output_buffer_is_contiguous
+    if output_buffer_is_contiguous(ref):
+        return functools.partial(torch.empty, ref.shape, dtype=ref.dtype)
+    return functools.partial(torch.empty_strided, ref.shape, ref.stride, dtype=ref.dtype)
+
+
+def executable(gm: torch.fx.GraphModule, program: NativeProgram, library) -> torch.fx.GraphModule:
+    """The region's graph with each native kernel's nodes replaced by one call of its function,
+    placed where the kernel's first node was (its inputs are computed by then: the interpreter
+    runs a kernel at the same place)."""
+    owner = {node: ck for ck in program.kernels for node in ck.nodes}
+    graph, env, done = torch.fx.Graph(), {}, set()
+    for node in gm.graph.nodes:
+        ckernel = owner.get(node.name)
+        if ckernel is None:
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+            continue
+        if ckernel.name in done:
+            continue
+        done.add(ckernel.name)
+        call = _KernelCall(ckernel, getattr(library, ckernel.symbol))
+        function = _named(call, f"native_{ckernel.name}")
+        result = graph.call_function(function, tuple(env[name] for name in call.input_nodes))
+        for index, name in enumerate(call.output_nodes):
+            env[name] = graph.call_function(operator.getitem, (result, index))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _named(call, name: str):
+    def native_kernel(*tensors):
+        return call(*tensors)
+    native_kernel.__name__ = native_kernel.__qualname__ = name
+    return native_kernel
+
+
+# -- tiers ---------------------------------------------------------------------------------------
+
+class HostExecutable:
+    """What `CompiledRegion.run` calls: the PyTorch executable until the native one is ready.
+
+    Shared by every relabelled copy of a cached region, so one background build serves them all."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program: NativeProgram | None):
+        self.torch_forward = gm.forward
+        self.forward = self.torch_forward
+        self.gm, self.program = gm, program
+        self.tier = Tier.TORCH
+        self.failure = ""
+        self.ready = threading.Event()
+        self.ready.set()
+        self.runs_to_build = 0  # armed: runs left before the background build starts
+
+    def arm(self) -> None:
+        """Build the native executable once the region has run NATIVE_AFTER_RUNS times: a region
+        compiled and run once (a changing signature, a test) costs no C compile."""
+        if self.tier is Tier.TORCH and self.runs_to_build == 0:
+            self.runs_to_build = NATIVE_AFTER_RUNS
+
+    def run(self, *inputs) -> tuple:
+        if self.runs_to_build:
+            self.runs_to_build -= 1
+            if not self.runs_to_build:
+                self.start()
+        try:
+            return self.forward(*inputs)
+        except IndexOutOfRange:  # PyTorch's executable raises PyTorch's error for it
+            return self.torch_forward(*inputs)
+
+    def start(self) -> None:
+        """Build the native executable in the background (tiered); without a C compiler, warn once
+        and stay on PyTorch."""
+        self.runs_to_build = 0
+        if self.tier is not Tier.TORCH or self.program is None or not self.program.kernels:
+            return
+        if compiler() is None:
+            self._fail(f"tilewise: no C compiler ({C_COMPILER!r}) found; compiled regions run their PyTorch "
+                       f"executable (host_backend=native needs one)")
+            return
+        self.tier = Tier.COMPILING
+        self.ready.clear()
+        _worker().put(self)
+
+    def build_now(self) -> None:
+        try:
+            library = load(self.program.source)
+            native = executable(self.gm, self.program, library)
+        except (CompileError, OSError, AttributeError) as error:
+            self._fail(f"tilewise: native host code could not be built ({error}); the region keeps its "
+                       f"PyTorch executable")
+        else:
+            self.forward, self.tier = native.forward, Tier.NATIVE
+        finally:
+            self.ready.set()
+
+    def _fail(self, message: str) -> None:
+        self.tier, self.failure = Tier.FAILED, message
+        warn_once(message)
+
+    def wait(self, timeout: float | None = None) -> Tier:
+        """The tier once the background build (if any) is done, or after `timeout` seconds."""
+        self.ready.wait(timeout)
+        return self.tier
+
+
+_queue: queue.SimpleQueue | None = None
+_queue_lock = threading.Lock()
+
+
+def _worker() -> queue.SimpleQueue:
+    """One daemon thread builds native code, one region at a time (the machine is shared)."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_queue,), name="tilewise-native", daemon=True).start()
+        return _queue
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        jobs.get().build_now()
