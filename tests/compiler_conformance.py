@@ -103,7 +103,8 @@ def outcome(op, sample, native: bool = False) -> tuple[str, str]:
                 torch.testing.assert_close(g, e, **TOLERANCE)
     except Exception as error:
         return FAIL, f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    return PASS, ",".join(sorted({k.kind for k in compiled.kernels})) + ("; native" if len(runs) == 3 else "")
+    ran = "; native" if len(runs) == 3 else "; no kernel in C" if native else ""
+    return PASS, ",".join(sorted({k.kind for k in compiled.kernels})) + ran
 
 
 def _eager_only(gm: torch.fx.GraphModule) -> bool:

@@ -60,6 +60,7 @@ class CacheStats:
         self.corrupt = 0     # entries that failed the HMAC or did not decode (truncated, forged, tampered)
         self.untrusted = 0   # files and directories refused by owner, mode, type or symlink (warned once)
         self.disk_errors = 0  # cache directory, key or entry that could not be used (warned once)
+        self.native_disk_hits = self.native_disk_writes = 0  # native libraries read from / written to disk
 
 
 stats = CacheStats()
@@ -413,3 +414,63 @@ def _cost(value) -> tuple:
     if not all(type(v) in (int, float) for v in (seconds, hbm_bytes, flops)):
         raise CompileError(f"malformed cost {value!r} in a compile cache entry")
     return _text(name), _text(engine), seconds, hbm_bytes, flops
+
+
+# -- the disk: native libraries --------------------------------------------------------------------
+# A region's compiled C (native.py) is kept beside the entries as `<key>.so.twn`: the HMAC of the
+# library's bytes on the first line, then the bytes. The same checks as an entry's guard it; bytes
+# whose HMAC does not verify are never loaded (the C is compiled again).
+
+def _native_name(key: str) -> str:
+    return f"{key}.so.twn"
+
+
+def load_native(key: str) -> bytes | None:
+    """The authenticated bytes of the native library `key` from the disk cache, or None."""
+    disk = _open_disk()
+    if disk is None:
+        return None
+    path = os.path.join(disk.directory, _native_name(key))
+    try:
+        data = _read(_open_private_file(disk.fd, _native_name(key), path))
+    except FileNotFoundError:
+        return None
+    except Untrusted as error:
+        stats.untrusted += 1
+        _warn_once(f"tilewise: native library refused: {error}; compiling it again")
+        return None
+    except OSError as error:
+        stats.corrupt += 1
+        _warn_once(f"tilewise: could not read native library {path}: {error}; compiling it again")
+        return None
+    finally:
+        os.close(disk.fd)
+    library = _authenticated(data, disk.secret)
+    if library is None:
+        stats.corrupt += 1
+        _warn_once(f"tilewise: native library {path} is corrupt, truncated, or not written with this user's key; "
+                   f"compiling it again")
+        return None
+    stats.native_disk_hits += 1
+    return library
+
+
+def store_native(key: str, library: bytes) -> None:
+    """Keep the library's bytes with their HMAC, written atomically; a failure costs the cache only."""
+    disk = _open_disk()
+    if disk is None:
+        return
+    try:
+        temporary = _write_new(disk.fd, _mac(disk.secret, library) + b"\n" + library)
+        try:
+            os.replace(temporary, _native_name(key), src_dir_fd=disk.fd, dst_dir_fd=disk.fd)
+        except BaseException:
+            os.unlink(temporary, dir_fd=disk.fd)
+            raise
+    except OSError as error:
+        stats.disk_errors += 1
+        _warn_once(f"tilewise: could not write native library {_native_name(key)} to {disk.directory}: {error}")
+        return
+    finally:
+        os.close(disk.fd)
+    stats.native_disk_writes += 1

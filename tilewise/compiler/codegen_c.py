@@ -241,6 +241,8 @@ class KernelWriter:
             if op.op is Ops.MATMUL:
                 self.accumulator[id(op)] = self.accumulator.get(id(op.srcs[0]), id(op.srcs[0]))
         self.depth = 1
+        # tiles that index the rows of an indirect accumulating store (after remainder by the row count)
+        self.store_indices = {id(op.srcs[1]) for op in kernel.body if op.op is Ops.STORE and len(op.srcs) == 2}
 
     # -- names and extents
     def var(self, name: str | None) -> str:
@@ -378,6 +380,8 @@ class KernelWriter:
         elif name in ELEMENTWISE:
             if name == "eq":
                 self.check_one_hot_index(op)
+            if name == "remainder" and id(op) in self.store_indices:
+                self.check_wrapped_index(op, bound["other"])
             self.tile_loop(op, self.elementwise(op, name, bound))
         else:
             raise Unsupported(NativeReason.OP, f"{target} has no C translation")
@@ -393,6 +397,15 @@ class KernelWriter:
         self.emit(f"for (int64_t p = 0; p < {self.count(index.shape[0])}; p++) "
                   f"for (int64_t f = 0; f < {self.count(index.shape[1])}; f++) "
                   f"if ({self.element(index, index)} < 0 || {self.element(index, index)} >= {size}) return 1;")
+
+    def check_wrapped_index(self, op: TileOp, rows) -> None:
+        """An index_put's row index counts from the end when negative (the remainder by the row
+        count); outside [-rows, rows) PyTorch raises, so the function returns 1 and the host raises."""
+        index = op.srcs[0]
+        value = self.element(index, index)
+        self.emit(f"for (int64_t p = 0; p < {self.count(index.shape[0])}; p++) "
+                  f"for (int64_t f = 0; f < {self.count(index.shape[1])}; f++) "
+                  f"if ({value} < -{int(rows)} || {value} >= {int(rows)}) return 1;")
 
     def elementwise(self, op: TileOp, name: str, bound: dict) -> str:
         kind, fn = ELEMENTWISE[name]

@@ -1,0 +1,258 @@
+"""The native host backend: a compiled region's tile kernels as C, built by the system C compiler,
+held to the tile interpreter (the reference) and to CPU PyTorch: bitwise where the C computes
+exactly what PyTorch's kernel does (add, sub, mul, div, casts, selects, copies), else within the
+dtype's tolerance (libm's transcendentals, summation order). Every test asserts the native tier
+really ran and how many kernels it ran in C."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.common_methods_invocations import op_db
+
+import tilewise
+from tilewise.compiler import cache, compile_graph, native
+from tilewise.compiler.codegen_c import NativeReason
+from tilewise.compiler.native import Tier
+from tilewise.device.spec import TRN2
+from tilewise.errors import ConfigError
+
+import compiler_conformance as cc
+
+BUILD_TIMEOUT = 120  # seconds a region's C may take to build on a loaded machine
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    cache.clear_memory()
+    yield
+    cache.clear_memory()
+
+
+def compiled_native(fn, inputs):
+    compiled = compile_graph(make_fx(fn)(*[t.clone() for t in inputs]), [t.clone() for t in inputs], spec=TRN2)
+    compiled.start_native()
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, compiled.native_failure
+    return compiled
+
+
+def native_calls(compiled) -> int:
+    """Kernels the running executable calls in C (named native_<kernel> in its code)."""
+    code = compiled._host.forward.__self__.code
+    return code.count("= tilewise_compiler_native_native_")
+
+
+def check(fn, inputs, exact: bool, kernels: int):
+    compiled = compiled_native(fn, inputs)
+    assert native_calls(compiled) == kernels
+    expected = fn(*[t.clone() for t in inputs])
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = compiled.run(*[t.clone() for t in inputs])
+    reference = compiled.interpret(*[t.clone() for t in inputs])
+    assert len(got) == len(expected)
+    for g, r, e in zip(got, reference, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        if exact:
+            assert torch.equal(g, e) and torch.equal(g, r)
+        else:
+            torch.testing.assert_close(g, e, equal_nan=True)
+            torch.testing.assert_close(g, r, equal_nan=True)
+    return compiled
+
+
+# -- values ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(7, 5), (300, 129), (2, 3, 1000)])
+def test_arithmetic_chain_is_bitwise_cpu(shape):
+    x, y = torch.randn(shape), torch.randn(shape)
+    check(lambda x, y: ((x * 3 + y) / (y - 0.5)) * x - 1, [x, y], exact=True, kernels=1)
+
+
+def test_broadcast_operands_and_integer_and_bool_ops_are_bitwise_cpu():
+    x, b = torch.randn(10, 1, 10), torch.randn(10, 10, 1)
+    mask = torch.randn(10, 10) > 0
+    check(lambda x, m, b: torch.where(m, x, b) * 2, [x, mask, b], exact=True, kernels=1)
+    i = torch.randint(-50, 50, (33, 17))
+    check(lambda i: ((i * 3 + 7) % 5, (i > 0) & (i < 20), i.float() / 3), [i], exact=True, kernels=1)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.softmax(x, -1),
+    lambda x: F.layer_norm(x, x.shape[-1:]),
+    lambda x: torch.tanh(x).exp() + torch.sigmoid(x),
+    lambda x: F.gelu(x) * x.amax(-1, keepdim=True),
+    lambda x: x.var(-1, keepdim=True) + x.mean(-1, keepdim=True),
+], ids=["softmax", "layer_norm", "transcendentals", "gelu_amax", "var_mean"])
+def test_row_reductions_and_transcendentals_match_within_tolerance(fn):
+    x = torch.randn(200, 96)
+    x[3, 5] = float("nan")
+    x[4] = float("-inf")
+    check(fn, [x], exact=False, kernels=1)
+
+
+def test_embedding_gather_scatter_cat_and_index_put_run_in_c():
+    w, idx = torch.randn(10, 8), torch.tensor([1, 9, 0, 9])
+    check(lambda w, i: F.embedding(i, w) * 2, [w, idx], exact=True, kernels=1)
+    x, where = torch.randn(16, 10), torch.randint(0, 10, (16, 1))
+    check(lambda x, i: torch.gather(x, -1, i) * 2, [x, where], exact=True, kernels=1)
+    check(lambda x, i: torch.scatter(x, -1, i, 1.5), [x, where], exact=True, kernels=1)
+    check(lambda a, b: torch.cat([a, b.t()], -1) + 1, [torch.randn(5, 3), torch.randn(4, 5)], exact=True,
+          kernels=2)
+    rows, values = torch.tensor([1, -1, 1]), torch.randn(3, 4)
+    check(lambda s, i, v: torch.ops.aten.index_put(s, [i], v, True), [torch.randn(5, 4), rows, values],
+          exact=False, kernels=1)
+
+
+def test_out_of_range_indices_still_raise_pytorchs_error():
+    ok = [torch.randn(5, 3), torch.tensor([1, 2])]
+    compiled = compiled_native(lambda w, i: F.embedding(i, w), ok)
+    assert native_calls(compiled) == 1
+    with pytest.raises(IndexError):
+        compiled.run(torch.randn(5, 3), torch.tensor([1, 5]))
+    x = torch.randn(16, 10)
+    compiled = compiled_native(lambda x, i: torch.gather(x, -1, i) * 2, [x, torch.zeros(16, 1, dtype=torch.long)])
+    bad = torch.zeros(16, 1, dtype=torch.long)
+    bad[5, 0] = 10
+    with pytest.raises(RuntimeError):
+        compiled.run(x, bad)
+
+
+def test_inputs_in_other_strides_than_compiled_are_relaid_out():
+    fn = lambda x: x * 2 + 1  # noqa: E731
+    compiled = compiled_native(fn, [torch.randn(6, 8)])
+    transposed = torch.randn(8, 6).t()
+    assert torch.equal(compiled.run(transposed)[0], fn(transposed))
+
+
+# -- what stays on PyTorch, and why --------------------------------------------------------------
+
+def test_kernels_c_cannot_express_keep_pytorch_with_a_typed_reason():
+    compiled = compile_graph(*_traced(lambda x, w: (x.bfloat16() * 2, torch.relu(x @ w)),
+                                      [torch.randn(8, 4), torch.randn(4, 3)]), spec=TRN2)
+    reasons = {refusal.reason for refusal in compiled.native.refused}
+    assert reasons == {NativeReason.DTYPE, NativeReason.MATMUL_ON_BLAS}
+    assert "keeps PyTorch: dtype" in str(compiled)
+
+
+def _traced(fn, inputs):
+    return make_fx(fn)(*inputs), inputs
+
+
+def test_printed_region_and_explain_show_the_c_source():
+    compiled = compile_graph(*_traced(lambda x: torch.exp(x) * 2, [torch.randn(4, 4)]), spec=TRN2)
+    text = str(compiled)
+    assert "int tw_kernel_0(int64_t arg0_1_hbm_addr, int64_t mul_hbm_addr)" in text
+    assert "exp(" in text and "# native host code: 1 kernels in C" in text
+    tilewise.reset_caches()
+    x = torch.randn(4, 4, device="neuron")
+    with tilewise.engine(mode="compiled"):
+        y = torch.exp(x) * 2
+        tilewise.sync()
+    assert torch.equal(y.cpu(), torch.exp(x.cpu()) * 2)
+    assert "int tw_kernel_0(" in tilewise.explain()
+
+
+# -- tiers -----------------------------------------------------------------------------------------
+
+def test_a_region_runs_pytorch_until_its_c_is_built_then_switches():
+    fn = lambda x: torch.tanh(x) * 2  # noqa: E731
+    x = torch.randn(64, 64)
+    with tilewise.config.patch(host_backend="native"):
+        compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
+    for _ in range(native.NATIVE_AFTER_RUNS):
+        assert compiled.host_tier is Tier.TORCH
+        assert torch.equal(compiled.run(x)[0], fn(x))
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    assert native_calls(compiled) == 1
+
+
+def test_host_backend_torch_never_builds_c():
+    with tilewise.config.patch(host_backend="torch"):
+        compiled = compile_graph(*_traced(lambda x: x + 1, [torch.randn(3)]), spec=TRN2)
+    for _ in range(native.NATIVE_AFTER_RUNS + 1):
+        compiled.run(torch.randn(3))
+    assert compiled.wait_native(0) is Tier.TORCH
+
+
+def test_host_backend_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("TILEWISE_HOST_BACKEND", "cuda")
+    with pytest.raises(ConfigError, match="native, torch"):
+        tilewise.config.host_backend
+    monkeypatch.setenv("TILEWISE_HOST_BACKEND", "Torch")
+    assert tilewise.config.host_backend == "torch"
+
+
+def test_without_a_c_compiler_the_region_keeps_pytorch_and_warns_once(monkeypatch):
+    monkeypatch.setattr(native, "C_COMPILER", "no-such-cc-tilewise")
+    native.compiler.cache_clear()
+    native._warned.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            first = compile_graph(*_traced(lambda x: x * 3, [torch.randn(5)]), spec=TRN2)
+            first.start_native()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = compile_graph(*_traced(lambda x: x * 4, [torch.randn(5)]), spec=TRN2)
+            second.start_native()
+        x = torch.randn(5)
+        assert first.host_tier is Tier.FAILED and torch.equal(first.run(x)[0], x * 3)
+        assert torch.equal(second.run(x)[0], x * 4)
+    finally:
+        native.compiler.cache_clear()
+
+
+# -- the disk cache --------------------------------------------------------------------------------
+
+def test_native_library_is_kept_on_disk_authenticated_and_a_tampered_one_is_never_loaded(tmp_path, monkeypatch):
+    fn, x = (lambda x: x * 5 - 2), torch.randn(9, 9)
+    with tilewise.config.patch(cache_dir=str(tmp_path)):
+        cache.stats.reset()
+        compiled = compiled_native(fn, [x])
+        (stored,) = tmp_path.glob("*.so.twn")
+        assert cache.stats.native_disk_writes == 1
+        assert torch.equal(compiled.run(x)[0], fn(x))
+        # a fresh process's view: nothing in memory, the library read back from disk
+        native._libraries.clear()
+        cache.clear_memory()
+        compiled_native(fn, [x])
+        assert cache.stats.native_disk_hits == 1
+        # tampered: the bytes change, the HMAC no longer verifies; the C is built again
+        data = bytearray(stored.read_bytes())
+        data[-10] ^= 0xFF
+        stored.write_bytes(bytes(data))
+        native._libraries.clear()
+        cache.clear_memory()
+        built = []
+        monkeypatch.setattr(native, "build", lambda text, real=native.build: built.append(1) or real(text))
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            again = compiled_native(fn, [x])
+        assert built == [1] and cache.stats.corrupt >= 1
+        assert torch.equal(again.run(x)[0], fn(x))
+
+
+# -- the compiler's OpInfo samples with native on ---------------------------------------------------
+
+NATIVE_OPS = ("add", "mul", "div.no_rounding_mode", "sub", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu",
+              "nn.functional.relu", "pow", "var", "softmax", "log_softmax", "nn.functional.layer_norm", "cat",
+              "stack", "nn.functional.embedding", "index_put", "nn.functional.cross_entropy", "nn.functional.mse_loss",
+              "masked_fill", "full")
+
+
+def _opinfo_cases():
+    ops = [op for op in op_db if cc.op_key(op) in NATIVE_OPS]
+    return [pytest.param(op, sample, id=f"{cc.op_key(op)}-{index}")
+            for op in ops for index, sample in enumerate(cc.samples(op, limit=2))]
+
+
+@pytest.mark.parametrize("op,sample", _opinfo_cases())
+def test_opinfo_sample_native_equals_interpreter_equals_cpu(op, sample):
+    status, message = cc.outcome(op, sample, native=True)
+    if status == cc.NOT_RUN:
+        pytest.skip(message)
+    assert status == cc.PASS, message
+    assert message.endswith(("; native", "; no kernel in C")), message
