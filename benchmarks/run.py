@@ -35,6 +35,9 @@ import torch.nn.functional as F
 
 CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
 TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "tilewise compiled": "compiled"}
+# With --host-backends, the compiling modes also run once per listed host backend (config.host_backend),
+# as contenders of their own: "tilewise adaptive [torch host]".
+HOST_BACKEND_MODES = ("tilewise adaptive", "tilewise compiled")
 # Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
 STEPS = {"mlp": (60, 4), "gpt": (30, 5), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6)}
 INDUCTOR_SKIPPED = "skipped in --quick: inductor compiles for 17-40 s cold per graph here (run without --quick)"
@@ -184,7 +187,7 @@ class Meter:
     """Times steps and reads the engine's counters around each one."""
 
     def __init__(self, contender: str):
-        self.tilewise = contender in TILEWISE_MODES
+        self.tilewise = _base(contender) in TILEWISE_MODES
         self.inductor = contender == "inductor"
         self.samples: list[dict] = []
 
@@ -224,13 +227,23 @@ def _contender_setup(contender: str):
     if contender == "inductor":
         return "cpu", torch.compile, contextlib.nullcontext()
     import tilewise  # noqa: F401  registers the neuron device before the workload moves data there
-    return "neuron", (lambda fn: fn), _tilewise_block(TILEWISE_MODES[contender])
+    return "neuron", (lambda fn: fn), _tilewise_block(TILEWISE_MODES[_base(contender)], _host_backend(contender))
+
+
+def _base(contender: str) -> str:
+    """The contender without its host backend: "tilewise adaptive [torch host]" -> "tilewise adaptive"."""
+    return contender.split(" [", 1)[0]
+
+
+def _host_backend(contender: str) -> str | None:
+    return contender.split(" [", 1)[1].split(" host]")[0] if " [" in contender else None
 
 
 @contextlib.contextmanager
-def _tilewise_block(mode: str):
+def _tilewise_block(mode: str, host_backend: str | None):
     import tilewise
-    with tilewise.config.patch(cache_dir=""), tilewise.engine(mode=mode):  # cold: no kernels from disk
+    settings = {"cache_dir": ""} | ({"host_backend": host_backend} if host_backend else {})
+    with tilewise.config.patch(**settings), tilewise.engine(mode=mode):  # cold: no kernels from disk
         yield
 
 
@@ -244,7 +257,7 @@ def _start_cold(contender: str) -> None:
         torch._functorch.config.enable_autograd_cache = False
         torch._dynamo.reset()
         counters.clear()
-    elif contender in TILEWISE_MODES:
+    elif _base(contender) in TILEWISE_MODES:
         import tilewise
         tilewise.reset_caches()
         tilewise.stats().reset()
@@ -344,18 +357,18 @@ COLUMNS = ("contender", "host ms/step", "vs cpu", "sim ms/step", "launches/step"
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("cpu eager", {}).get("host_ms_per_step")
-    widths = (18, 13, 8, 12, 14, 9, 11, 11, 15, 9)
+    widths = (32, 13, 8, 12, 14, 9, 11, 11, 15, 9)
     lines = ["".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
     for contender, r in results.items():
         if "error" in r or "skipped" in r:
             why = r.get("skipped") or r["error"].strip().splitlines()[-1]
-            lines.append(f"{contender:<18} {why}")
+            lines.append(f"{contender:<32} {why}")
             continue
         cells = (r["host_ms_per_step"], r["host_ms_per_step"] / base if base else None,
                  r.get("simulated_ms_per_step"), r.get("launches_per_step"), r.get("compiles"),
                  r.get("median_compile_ms_per_region"), r.get("cache_hit_rate"), r["first_compiled_s"], r["total_s"])
         formats = ("{:.2f}", "{:.2f}x", "{:.3f}", "{:.0f}", "{}", "{:.0f}", "{:.0%}", "{:.2f}", "{:.2f}")
-        lines.append(f"{contender:<18}" + "".join(
+        lines.append(f"{contender:<32}" + "".join(
             f"{'-' if v is None else f.format(v):>{w}}" for v, f, w in zip(cells, formats, widths[1:])))
     return "\n".join(lines)
 
@@ -376,6 +389,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per contender (default 1: on a shared machine a parallel op "
                              "waits for its slowest thread, and the contenders' ratios drown in that noise)")
+    parser.add_argument("--host-backends", default="",
+                        help="comma-separated host backends (native, torch) the compiling modes also run under, "
+                             "side by side (default: only the configured one)")
     return parser.parse_args(argv)
 
 
@@ -395,13 +411,15 @@ def main(argv=None) -> int:
     if not with_inductor:
         print(f"inductor: {INDUCTOR_SKIPPED}")
     started = time.perf_counter()
-    with workers([c for c in CONTENDERS if with_inductor or c != "inductor"], args.threads) as pipes:
+    contenders = list(CONTENDERS) + [f"{mode} [{backend.strip()} host]" for backend in args.host_backends.split(",")
+                                     if backend.strip() for mode in HOST_BACKEND_MODES]
+    with workers([c for c in contenders if with_inductor or c != "inductor"], args.threads) as pipes:
         for name in names:
             steps = args.steps or STEPS[name][args.quick]
             results = run_workload(pipes, name, steps, args.quick)
             if not with_inductor:
                 results["inductor"] = {"skipped": INDUCTOR_SKIPPED}
-            results = {c: results[c] for c in CONTENDERS}
+            results = {c: results[c] for c in contenders}
             description = WORKLOADS[name][1].format(rows=512 if args.quick else 4096)
             report["workloads"][name] = {"description": description, "steps": steps, "contenders": results}
             print(f"\n{name}: {description}; {steps} steps\n{table(results)}", flush=True)

@@ -83,14 +83,14 @@ def outcome(op, sample, native: bool = False) -> tuple[str, str]:
         return FAIL, f"CompileError: {str(error).splitlines()[0]}"
     except Exception as error:
         return FAIL, f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    runs = [("run", compiled.run_torch), ("interpret", compiled.interpret)]
+    runs = [("run", compiled.run), ("interpret", compiled.interpret)]
     if native:
         compiled.start_native()
         tier = compiled.wait_native(NATIVE_TIMEOUT)
         if tier.value == "failed":
             return FAIL, f"native: {compiled.native_failure}"
-        if tier.value == "native":
-            runs.append(("native", compiled.run))
+    if compiled.host_tier.value == "native":  # `run` is the C: hold PyTorch's executable to CPU too
+        runs.append(("torch", compiled.run_torch))
     try:
         for what, got in ((what, fn(*fresh())) for what, fn in runs):
             if len(got) != len(expected):

@@ -25,12 +25,14 @@ BAD_VALUES = {
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
+    "host_backend": ["fast", "", 3, None, "cuda", ["native"]],
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
            "cache_key_file": "file path",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
-           "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0"}
+           "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
+           "host_backend": "native, torch"}
 
 
 def test_every_setting_has_bad_values_listed():

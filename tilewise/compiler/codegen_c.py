@@ -32,7 +32,11 @@ C_TYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_
 PSUM_TYPE = "float"  # matmul accumulators are fp32, as the interpreter's and the hardware's
 
 PRELUDE = r"""#include <stdint.h>
+/* __FAST_MATH__ only while math.h is read: it declares glibc's vector variants (libmvec) of exp,
+   tanh, ..., so loops calling them vectorise; the code itself is compiled without -ffast-math. */
+#define __FAST_MATH__ 1
 #include <tgmath.h>
+#undef __FAST_MATH__
 #define TW_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define TW_ALIGN __attribute__((aligned(64)))
 /* NaN-propagating max/min/relu, as PyTorch's (C's fmax/fmin drop NaN) */
@@ -48,6 +52,7 @@ class NativeReason(enum.Enum):
     OP = "op"                      # an engine op the emitter does not translate
     LAYOUT = "layout"              # a tile axis or HBM view the emitter does not index
     MATMUL_ON_BLAS = "matmul_on_blas"  # matmul kernels run PyTorch's mm (faster than the C loop)
+    EMITTER_ERROR = "emitter_error"    # the emitter failed on the kernel (a bug, shown where the region prints)
 
 
 class Unsupported(Exception):
@@ -184,6 +189,13 @@ static inline int64_t tw_remainder_i(int64_t a, int64_t b) {
 #define tw_remainder(a, b) _Generic((a), float: (float)tw_remainder_f(a, b), double: tw_remainder_f(a, b), \
   default: tw_remainder_i(a, b))
 """
+
+
+LANES = 16  # partial results of a row reduction: wide enough for two AVX-512 vectors of float
+COMBINE = {"sum": "acc += x", "mean": "acc += x", "prod": "acc *= x", "amax": "acc = TW_MAX(acc, x)",
+           "amin": "acc = TW_MINV(acc, x)", "var": "acc += x"}
+# How two lanes combine when that differs from folding an element in (a sum of squares adds lanes).
+COMBINE_LANES = {"acc += (x - mean) * (x - mean)": "acc += x"}
 
 
 class Scalar(str):
@@ -418,6 +430,9 @@ class KernelWriter:
             divisor = operands[-1] if name != "pow" else bound.get("exponent")
             if _is_tile(divisor) or not isinstance(divisor, int) or divisor == 0 or name in ("reciprocal", "div"):
                 raise Unsupported(NativeReason.OP, f"integer {name} (C traps where PyTorch raises or defines it)")
+        arity = fn.__code__.co_argcount - (1 if fn.__defaults__ else 0)
+        if name != "pow" and len(operands) != arity:
+            raise Unsupported(NativeReason.OP, f"{op.arg[0]} with {len(operands)} operands (C form takes {arity})")
         values = [self.operand(v, op, compute) for v in operands]
         extra = {}
         if bound.get("alpha") is not None:
@@ -443,37 +458,45 @@ class KernelWriter:
         return f"({condition} ? {self.operand(a, op, op.dtype)} : {self.operand(b, op, op.dtype)})"
 
     def op_reduce(self, op: TileOp) -> None:
+        """A row reduction over LANES independent partial results (vectorised without reassociating
+        anything the compiler may not), combined in order; floats accumulate in double."""
         target, args, kwargs = op.arg
         name, bound = op_name(target), _bind(target, args, kwargs)
+        if name not in COMBINE:
+            raise Unsupported(NativeReason.OP, f"reduction {target} has no C translation")
         src = op.srcs[0]
         out_type = c_type(op.dtype)
-        accumulate = "double" if op.dtype.is_floating_point else out_type
-        x = cast(self.element(src, src), src.dtype, op.dtype)
-        combine = {"sum": "acc += x;", "mean": "acc += x;", "prod": "acc *= x;", "amax": "acc = TW_MAX(acc, x);",
-                   "amin": "acc = TW_MINV(acc, x);"}
-        if name not in combine and name != "var":
-            raise Unsupported(NativeReason.OP, f"reduction {target} has no C translation")
-        if name in ("amax", "amin"):
-            accumulate = out_type
-        count = self.count(src.shape[1])
+        accumulate = out_type if name in ("amax", "amin") or not op.dtype.is_floating_point else "double"
+        x = cast(f"row[f]", src.dtype, op.dtype)
         self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
-        self.emit(f"  const int64_t n = {count};")
+        self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
+        self.emit(f"  const {c_type(src.dtype)} *row = &{self.buffer(src)}[p * {src.shape[1][1]}];")
         if name == "var":
             correction = bound.get("correction")
-            correction = 1 if correction is None else correction
-            self.emit(f"  double mean = 0; for (int64_t f = 0; f < n; f++) {{ double x = {x}; mean += x; }} mean /= n;")
-            self.emit(f"  double acc = 0; for (int64_t f = 0; f < n; f++) {{ double x = {x}; acc += (x - mean) * "
-                      f"(x - mean); }}")
-            self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})(acc / TW_MAX(0.0, n - "
-                      f"{float(correction)!r}));")
+            self.lanes("mean", "double", "acc += x", x, "0")
+            self.emit("  mean /= n;")
+            self.lanes("acc", "double", "acc += (x - mean) * (x - mean)", x, "0")
+            final = f"acc / TW_MAX(0.0, n - {float(1 if correction is None else correction)!r})"
         else:
-            self.emit(f"  {accumulate} acc = {'1' if name == 'prod' else '0'};")
-            if name in ("amax", "amin"):  # from the first element, so NaN and -inf rows come out as they are
-                self.emit("  if (n > 0) { const int64_t f = 0; acc = " + x + "; }")
-            self.emit(f"  for (int64_t f = 0; f < n; f++) {{ const {accumulate} x = {x}; {combine[name]} }}")
+            # amax/amin start from the first element, so NaN and -inf rows come out as they are
+            start = "(n > 0 ? " + x.replace("row[f]", "row[0]") + " : 0)" if name in ("amax", "amin") else \
+                "1" if name == "prod" else "0"
+            self.lanes("acc", accumulate, COMBINE[name], x, start)
             final = "acc / n" if name == "mean" else "acc"
-            self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})({final});")
+        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})({final});")
         self.emit("}")
+
+    def lanes(self, result: str, ctype: str, combine: str, x: str, start: str) -> None:
+        """`result` = the fold of `combine` (over acc and x) along row[0:n], in LANES partial folds."""
+        fold = combine.replace("acc", "lane[j]")
+        self.emit(f"  {ctype} {result} = {start};")
+        self.emit(f"  {{ {ctype} lane[{LANES}]; for (int j = 0; j < {LANES}; j++) lane[j] = {start};")
+        self.emit(f"  int64_t f = 0;")
+        self.emit(f"  for (; f + {LANES} <= n; f += {LANES}) for (int j = 0; j < {LANES}; j++) "
+                  f"{{ const {ctype} x = {x.replace('row[f]', 'row[f + j]')}; {fold}; }}")
+        self.emit(f"  for (int j = 0; j < {LANES}; j++) {{ const {ctype} x = lane[j]; "
+                  f"{COMBINE_LANES.get(combine, combine).replace('acc', result)}; }}")
+        self.emit(f"  for (; f < n; f++) {{ const {ctype} x = {x}; {combine.replace('acc', result)}; }} }}")
 
     def op_broadcast(self, op: TileOp) -> None:
         self.tile_loop(op, self.element(op.srcs[0], op))

@@ -89,6 +89,8 @@ def generate(launches: tuple[Launch, ...]) -> NativeProgram:
             kernels.append(kernel_c(kernel, f"tw_kernel_{len(kernels)}"))
         except Unsupported as why:
             refused.append(NativeRefusal(kernel.name, why.reason, why.detail))
+        except Exception as error:  # an emitter bug costs this kernel its C, never the compile
+            refused.append(NativeRefusal(kernel.name, NativeReason.EMITTER_ERROR, f"{type(error).__name__}: {error}"))
     return NativeProgram(tuple(kernels), tuple(refused))
 
 
