@@ -78,6 +78,8 @@ def test_broadcast_operands_and_integer_and_bool_ops_are_bitwise_cpu():
     check(lambda x, m, b: torch.where(m, x, b) * 2, [x, mask, b], exact=True, kernels=1)
     i = torch.randint(-50, 50, (33, 17))
     check(lambda i: ((i * 3 + 7) % 5, (i > 0) & (i < 20), i.float() / 3), [i], exact=True, kernels=1)
+    check(lambda i: (~(i > 0), ~i, (i > 0) + (i < 5), i.clamp(-3, 7), i.float().clamp(max=2.5)), [i], exact=True,
+          kernels=1)
 
 
 @pytest.mark.parametrize("fn", [

@@ -131,6 +131,12 @@ def _pow(a, exponent):
                                                                  f"pow({a}, {exponent})")
 
 
+def _clamp(a, low, high):
+    """min(max(a, low), high), NaN propagating; a bound that is None is no bound."""
+    value = a if low == "None" else f"TW_MAX({a}, {low})"
+    return value if high == "None" else f"TW_MINV({value}, {high})"
+
+
 def _remainder(a, b):
     return f"tw_remainder({a}, {b})"
 
@@ -172,6 +178,8 @@ ELEMENTWISE: dict[str, tuple[str, Callable]] = {
     "bitwise_and": (OUT, lambda a, b: f"({a} & {b})"),
     "bitwise_or": (OUT, lambda a, b: f"({a} | {b})"),
     "bitwise_xor": (OUT, lambda a, b: f"({a} ^ {b})"),
+    "bitwise_not": (OUT, lambda a: f"(~{a})"),
+    "clamp": (OUT, lambda a, low, high: _clamp(a, low, high)),
     **{name: (OUT, (lambda fn: lambda a: f"{fn}({a})")(fn)) for name, fn in _UNARY_MATH.items()},
 }
 # Ops whose value is their (first) operand cast to the output dtype.
@@ -424,6 +432,8 @@ class KernelWriter:
         operands = [v for key, v in bound.items() if key not in ("alpha", "out")]
         if name == "pow" and not _is_tile(bound.get("exponent")) and "exponent" in bound:
             operands = [bound["self"]]
+        if name == "clamp":  # bounds left out are None
+            operands = [bound["self"], bound.get("min"), bound.get("max")]
         compute = _compute_dtype(kind, op, operands + ([bound["exponent"]] if name == "pow" and
                                                        "exponent" in bound else []))
         if not compute.is_floating_point and name in INTEGER_UNSAFE and compute != torch.bool:
@@ -433,13 +443,16 @@ class KernelWriter:
         arity = fn.__code__.co_argcount - (1 if fn.__defaults__ else 0)
         if name != "pow" and len(operands) != arity:
             raise Unsupported(NativeReason.OP, f"{op.arg[0]} with {len(operands)} operands (C form takes {arity})")
-        values = [self.operand(v, op, compute) for v in operands]
+        values = ["None" if v is None else self.operand(v, op, compute) for v in operands]
         extra = {}
         if bound.get("alpha") is not None:
             extra["alpha"] = literal(bound["alpha"], compute)
         if name == "pow" and "exponent" in bound and not _is_tile(bound["exponent"]):
             values.append(Scalar(literal(bound["exponent"], compute), repr(bound["exponent"]).rstrip("0")
                                  .rstrip(".") if isinstance(bound["exponent"], float) else repr(bound["exponent"])))
+        if compute == torch.bool and kind == OUT:  # bools stay 0/1: ~True is False, True + True is True
+            expr = f"(!{values[0]})" if name == "bitwise_not" else f"((uint8_t)({fn(*values, **extra)} != 0))"
+            return cast(expr, torch.bool, op.dtype)
         result_type = torch.bool if kind in (COMPARE, LOGICAL) else compute
         return cast(fn(*values, **extra), result_type, op.dtype)
 
