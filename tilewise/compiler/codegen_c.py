@@ -383,9 +383,8 @@ class KernelWriter:
     def op_alu(self, op: TileOp) -> None:
         target, args, kwargs = op.arg
         name = op_name(target)
-        c_type(op.dtype)
-        for src in op.srcs:
-            c_type(src.dtype)
+        for dtype in (op.dtype, *(src.dtype for src in op.srcs)):
+            c_type(dtype)  # raises Unsupported for a dtype C has no exact type for
         bound = _bind(target, args, kwargs)
         if name in CONSTANT_LIKE or name == "full_like":
             value = CONSTANT_LIKE.get(name, bound.get("fill_value"))
@@ -393,10 +392,10 @@ class KernelWriter:
         elif name in CASTS:
             source = op.srcs[0]
             self.tile_loop(op, cast(self.element(source, op), source.dtype, op.dtype))
-        elif name in ("where", "copy"):
-            self.tile_loop(op, self.select(op, bound) if name == "where" else
-                           cast(self.operand(bound["src"], op, op.dtype), op.srcs[_ref(bound["src"])].dtype
-                                if _is_tile(bound["src"]) else op.dtype, op.dtype))
+        elif name == "where":
+            self.tile_loop(op, self.select(op, bound))
+        elif name == "copy":  # copy(self, src): src, cast to self's dtype
+            self.tile_loop(op, self.operand(bound["src"], op, op.dtype))
         elif name in ELEMENTWISE:
             if name == "eq":
                 self.check_one_hot_index(op)
@@ -537,10 +536,6 @@ class KernelWriter:
 
     def op_iota(self, op: TileOp) -> None:
         self.tile_loop(op, cast(f"({self.start(op.shape[1])} + f)", torch.int64, op.dtype))
-
-
-def _ref(value) -> int:
-    return value[1]
 
 
 def hbm_args(kernel: Kernel) -> dict[str, HbmArg]:
