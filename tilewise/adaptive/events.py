@@ -5,13 +5,13 @@ import time
 
 from ..device.runtime import DEVICE
 from . import analysis
+from .regions import RegionStep
 from .segment import Segment
 
 
 def segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
     """What the explorer draws: the segment's op graph, stable nodes and the regions they ran in."""
-    region_of = {n: entry.name for kind, what in steps if kind == "region"
-                 for region, entry in [what] for n in region.nodes}
+    region_of = {n: step.entry.name for step in steps if isinstance(step, RegionStep) for n in step.region.nodes}
     nodes = [{"index": i, "op": n.plan.name, "kind": n.kind, "stable": i in stable,
               "region": region_of.get(i),
               "why_eager": None if i in region_of else
@@ -33,7 +33,7 @@ def host_spans(number: int, reason: str, ops: int, traced_from: float, started: 
 
 def replay_event(segment: Segment, steps, dynamic: bool) -> dict:
     """The segment event of a cached plan's replay (built only while someone observes)."""
-    in_regions = {n for kind, what in steps if kind == "region" for n in what[0].nodes}
+    in_regions = {n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes}
     event = segment_event(segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic)
     event["replayed"] = True
     return event

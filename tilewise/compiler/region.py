@@ -61,9 +61,9 @@ class Region:
         if self.launches:
             lines.append("")
         lines.extend("  " + str(launch) for launch in self.launches)
-        for entry in self.cost:
-            lines.append(f"  # cost of launch {entry[0]}: {entry[1]} {entry[2] * 1e6:.2f} us, "
-                         f"{entry[3]} HBM bytes, {entry[4]} flops")
+        for launch in self.cost:
+            lines.append(f"  # cost of launch {launch.name}: {launch.engine} {launch.seconds * 1e6:.2f} us, "
+                         f"{launch.hbm_bytes} HBM bytes, {launch.flops} flops")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")
         return "\n".join(lines)
