@@ -33,7 +33,7 @@ from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, fill_failed, without_floats
-from .stats import RegionStats, Stats
+from .stats import Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
@@ -52,8 +52,8 @@ class Runtime:
         self._flushing = False
         self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
-        # Callables given a dict per analysed segment and per compile (the explorer listens here).
-        self.observers: list = []
+        self.events = events.EventStream()  # stats() and the explorer subscribe
+        self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
         self.reset_caches()
@@ -228,8 +228,8 @@ class Runtime:
                 dynamic = cache is self.dynamic_plans
                 if dynamic:
                     self._count_dynamic_steps(segment, steps)
-                if self.observers:
-                    self._notify(events.replay_event(segment, steps, dynamic))
+                if self.events.wants(events.SegmentRan):
+                    self.events.publish(events.replay_event(self.stats.segments, segment, steps, dynamic))
                 return steps
             self._forget(cache, key, segment, steps, missed)
             return _every_node(segment)
@@ -290,19 +290,14 @@ class Runtime:
             else:
                 steps.append(RegionStep(region, entry))
         self.stats.regions_found += len(members)
-        if self.observers:
-            self._notify(events.segment_event(segment, graph, stable, steps, dynamic))
+        if self.events.wants(events.SegmentRan):
+            self.events.publish(events.segment_event(self.stats.segments, segment, graph, stable, steps, dynamic))
         # Reusable without analysis while only floats change: every eager node has floats or reads
         # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
         # lengths does) and must be analysed again, to compile when it has become stable.
         floats_only = all(floating[step.index] or nodes[step.index].kind == VIEW
                           for step in steps if isinstance(step, NodeStep))
         return steps, final, dynamic and compiling and compiled_all and floats_only
-
-    def _notify(self, event: dict) -> None:
-        event["segment"] = self.stats.segments
-        for observer in list(self.observers):
-            observer(event)
 
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
@@ -361,17 +356,12 @@ class Runtime:
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         seconds = time.perf_counter() - started
         DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
-        if self.observers:
-            self._notify({"kind": "compile", "region": name, "ops": len(region.nodes), "host_start": started,
-                          "seconds": seconds, "kernels": len(compiled.cost),
-                          "refused": [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]})
         entry = CompiledEntry(compiled, region, seconds, name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions.put(region.key, entry)
-        self.stats.compiles += 1
-        self.stats.compile_seconds += seconds
-        self.stats.regions[name] = RegionStats(name, len(region.nodes), seconds,
-                                               refused=list(getattr(compiled, "refused", []))[:20])
+        self.events.publish(events.RegionCompiled(
+            name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
+            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]))
         return entry
 
     def _guard_miss(self, segment: Segment, steps) -> str | None:

@@ -53,6 +53,12 @@ class Stats:
         self.regions: dict[str, RegionStats] = {}
         self._device_start = (DEVICE.timeline.clock, DEVICE.timeline.hbm_bytes, DEVICE.timeline.kernels)
 
+    def on_compiled(self, event) -> None:
+        """A RegionCompiled event from the engine's stream."""
+        self.compiles += 1
+        self.compile_seconds += event.seconds
+        self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20])
+
     def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
         key = (op, reason)
         self.fallbacks[key] += count
@@ -72,6 +78,12 @@ class Stats:
         return DEVICE.timeline.kernels - self._device_start[2]
 
     @property
+    def unused_compiles(self) -> int:
+        """Regions compiled that no later flush has run again (so far): the compile cost that
+        bought nothing. The policy waits for a region to recur before compiling it to keep this 0."""
+        return sum(1 for r in self.regions.values() if r.hits == 0)
+
+    @property
     def compiled_fraction(self) -> float:
         ran = self.ops_compiled + self.ops_eager
         return self.ops_compiled / ran if ran else 0.0
@@ -84,6 +96,7 @@ class Stats:
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "unused_compiles": self.unused_compiles,
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
             "guard_misses": dict(self.guard_misses),
             "fallbacks": [{"op": op, "reason": reason, "count": n,
@@ -104,7 +117,7 @@ class Stats:
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
-            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}",
+            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
