@@ -10,7 +10,7 @@
     Floats seen to change at their site become region inputs, so a schedule compiles once more,
     not every step; compiled mode stops recompiling a region site after `recompile_limit`
     signatures. Whatever does not compile runs eagerly with a typed reason, counted in stats():
-    warming up, dynamic, or one of `Why` below.
+    warming up, dynamic, or another `Why` (tilewise/reasons.py).
 
 This module is pure: the runtime asks it, it decides from counts it is given.
 """
