@@ -171,3 +171,33 @@ def test_a_loss_scaled_by_a_changing_float_compiles_and_keeps_its_dtype(mode):
     stats = tilewise.stats()
     assert stats.compiles >= 1 and stats.compiled_fraction > 0.5, stats.report()
     assert not [r for (_, r) in stats.fallbacks if r.startswith("compile failed")], stats.report()
+
+
+def test_stats_and_the_explorer_read_one_event_stream():
+    """Compiles reach stats() through the same typed events the explorer subscribes to."""
+    from tilewise.adaptive import RUNTIME
+    from tilewise.adaptive.events import RegionCompiled, SegmentRan
+
+    seen = []
+    RUNTIME.events.subscribe(RegionCompiled, seen.append)
+    RUNTIME.events.subscribe(SegmentRan, seen.append)
+    try:
+        tilewise.reset_caches()
+        tilewise.stats().reset()
+        x_cpu = torch.randn(8, 8)
+        x = x_cpu.to("neuron")
+        with tilewise.engine(mode="compiled"):
+            got = [(x.sin() * 2 + 1).cpu() for _ in range(3)]
+    finally:
+        RUNTIME.events.unsubscribe(RegionCompiled, seen.append)
+        RUNTIME.events.unsubscribe(SegmentRan, seen.append)
+    for value in got:
+        torch.testing.assert_close(value, x_cpu.sin() * 2 + 1)
+    compiled = [e for e in seen if isinstance(e, RegionCompiled)]
+    segments = [e for e in seen if isinstance(e, SegmentRan)]
+    stats = tilewise.stats()
+    assert compiled and stats.compiles == len(compiled)
+    assert [e.region for e in compiled] == list(stats.regions)
+    assert stats.compile_seconds == pytest.approx(sum(e.seconds for e in compiled))
+    assert len(segments) == stats.segments == 3 and segments[-1].replayed
+    assert stats.unused_compiles == 0 and stats.cache_hits == 2
