@@ -49,10 +49,16 @@ def run(func, args, kwargs):
     plan = plan_of(func)
     traffic = [0, 0]  # [HBM bytes read, largest input numel]
     host_args = _unwrap(args, plan, traffic)
-    to_host = False
+    to_host = uploads = False
     if kwargs:
+        uploads = kwargs.get("device") is not None
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
     out = func(*host_args, **kwargs)
+    if uploads and not to_host and _shares_memory_with(out, args):
+        # `to(device="neuron")` reaches us whole under inference_mode; run on the host with
+        # device=cpu it returns its input itself, which would make the device tensor the user's
+        # CPU tensor: an upload copies, as `_to_copy` does
+        out = out.clone()
     counters.ops += 1
     if plan.aliases is not None:
         result = _returned_inputs(plan, args, kwargs, out)
@@ -64,6 +70,14 @@ def run(func, args, kwargs):
     if plan.kernel:
         _charge(plan, host_args, kwargs, out, traffic)
     return result
+
+
+def _shares_memory_with(out, args) -> bool:
+    if not isinstance(out, _Tensor):
+        return False
+    storage = out.untyped_storage().data_ptr()
+    return any(isinstance(a, _Tensor) and type(a) is not NeuronTensor and a.untyped_storage().data_ptr() == storage
+               for a in args)
 
 
 def run_host(func, host_args, host_kwargs):
