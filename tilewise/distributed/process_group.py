@@ -129,7 +129,7 @@ class NeuronProcessGroup(dist.ProcessGroup):
         if work is not None:
             work.wait()
         host.write_back()
-        if _on_device(tensors):
+        if kind is Collective.BARRIER or _on_device(tensors):  # a barrier is the device's (NCCL's is an all-reduce)
             charge(kind, payload, self.size())
         return Done(result)
 

@@ -1,0 +1,142 @@
+"""torch.distributed on neuron: the "neuron" backend's collectives and DDP, two ranks on loopback.
+
+One pair of worker processes (tests/distributed_worker.py, bounded by a timeout) runs every check
+once and reports JSON; the tests judge it against independent references: gloo on CPU tensors for
+the collectives, one plain CPU process on the global batch for DDP.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tilewise
+from tilewise.distributed import Collective, collective_seconds
+from tilewise.distributed.workloads import train_single
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 180
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(out / f"rank{rank}.json")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"distributed workers did not finish within {TIMEOUT_S} s")
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_the_backend_is_neuron(report):
+    assert [r["backend"] for r in report] == ["neuron"] * WORLD
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_every_collective_equals_gloo_on_cpu(report, mode):
+    for rank in range(WORLD):
+        reference, got = report[rank]["reference"], report[rank]["modes"][mode]["collectives"]
+        assert sorted(got) == sorted(reference)
+        for name, expected in reference.items():
+            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(expected), rtol=0, atol=0,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+def test_all_reduce_sums_the_ranks(report):
+    """Not only equal to gloo: the value every rank gets is the sum of what the ranks gave."""
+    base = torch.arange(4 * WORLD * 3, dtype=torch.float32).reshape(4 * WORLD, 3)
+    expected = sum(base * (rank + 1) + 0.5 for rank in range(WORLD))
+    for rank in range(WORLD):
+        torch.testing.assert_close(torch.tensor(report[rank]["modes"]["adaptive"]["collectives"]["all_reduce_sum"]),
+                                   expected)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_collectives_are_counted_in_stats(report, mode):
+    counted = report[0]["modes"][mode]["counted"]
+    # the suite: 5 all_reduce calls (sum, max, avg, view, coalesced), all_gather x2 + 1 coalesced,
+    # reduce_scatter x3 + 1 coalesced, broadcast, barrier, all_to_all, send (rank 0)
+    calls = {kind: c["calls"] for kind, c in counted.items()}
+    assert calls == {"all_reduce": 5, "all_gather": 3, "reduce_scatter": 4, "broadcast": 1, "barrier": 1,
+                     "all_to_all": 1, "send": 1}
+    x_bytes = 4 * WORLD * 3 * 4
+    assert counted["broadcast"]["bytes"] == x_bytes
+    assert counted["broadcast"]["seconds"] == pytest.approx(
+        collective_seconds(tilewise.DEVICE.spec, Collective.BROADCAST, x_bytes, WORLD))
+
+
+def test_collectives_have_their_lane_in_the_trace(report):
+    trace = report[0]["trace"]
+    assert "Collectives" in trace["lanes"]
+    assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"} <= set(trace["collective_events"])
+
+
+def test_ring_all_reduce_cost_follows_the_spec():
+    spec = tilewise.DEVICE.spec
+    nbytes = 64 * 2**20
+    for n in (2, 4, 8):
+        expected = (spec.collective_latency_s + 2 * (n - 1) * spec.ring_hop_latency_s
+                    + 2 * (n - 1) / n * nbytes / spec.link_bandwidth)
+        assert collective_seconds(spec, Collective.ALL_REDUCE, nbytes, n) == pytest.approx(expected)
+    assert collective_seconds(spec, Collective.ALL_REDUCE, nbytes, 1) == 0.0
+    assert spec.link_bandwidth == pytest.approx(1.28e12 / 8)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference():
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import distributed_worker as worker
+    finally:
+        sys.path.pop(0)
+    return train_single("cpu", None, steps=worker.STEPS, global_batch=worker.BATCH)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_ddp_equals_one_process_on_the_global_batch(report, cpu_reference, mode):
+    for rank in range(WORLD):
+        ddp = report[rank]["modes"][mode]["ddp"]
+        torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(cpu_reference.losses),
+                                   rtol=1e-5, atol=1e-6)
+        for got, expected in zip(ddp["params"], cpu_reference.params, strict=True):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_static_ddp_step_compiles_in_adaptive_mode(report):
+    """DDP's bucket all-reduce fires mid-backward and splits the step into segments; each repeats,
+    so after warm-up every compute op of the step runs in compiled regions, served from the cache."""
+    ddp = report[0]["modes"]["adaptive"]["ddp"]
+    assert ddp["compiled_fraction"] >= 0.99
+    assert ddp["cache_hits"] > 0
+    assert report[0]["modes"]["eager"]["ddp"]["compiled_fraction"] == 0.0
+
+
+def test_ddp_communication_is_charged(report):
+    ddp = report[0]["modes"]["adaptive"]["ddp"]
+    assert ddp["collective_calls"] >= 1
+    assert 0 < ddp["collective_seconds"] < ddp["simulated_seconds"]
