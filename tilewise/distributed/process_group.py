@@ -21,6 +21,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
+from . import fsdp
 from .cost import COUNTERS, Collective, collective_seconds
 
 LANE = "Collectives"
@@ -110,6 +111,23 @@ class NeuronProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, world_size: int, timeout):
         super().__init__(rank, world_size)
         self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._group_name = self._group_desc = ""
+
+    # c10d keeps a group's name in its backends; this group has none (it is its own backend), so it
+    # keeps the name torch.distributed gives it (DeviceMesh and FSDP2 look groups up by name).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def getBackendName(self) -> str:
         return "neuron"
@@ -226,6 +244,7 @@ class NeuronProcessGroup(dist.ProcessGroup):
 
 
 def create(store, rank: int, world_size: int, timeout) -> NeuronProcessGroup:
+    fsdp.install()  # here, not at import: FSDP2 is a large import only distributed runs need
     return NeuronProcessGroup(store, rank, world_size, timeout)
 
 
