@@ -13,18 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import tilewise
-from tilewise.distributed.workloads import neuron_device, train_parallel, train_single
-
-
-def shard(model):
-    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+from tilewise.distributed.workloads import fully_shard_blocks, neuron_device, train_parallel, train_single
 
 
 def main() -> int:
@@ -43,7 +34,7 @@ def main() -> int:
         if rank == 0:
             print(f"step {step:3d}  rank-0 loss {local_loss:.4f}")
 
-    run = train_parallel(shard, mode, steps=args.steps, global_batch=args.batch, warmup=args.steps // 2,
+    run = train_parallel(fully_shard_blocks, mode, steps=args.steps, global_batch=args.batch, warmup=args.steps // 2,
                          on_step=show)
     failed = False
     if rank == 0:

@@ -3,6 +3,7 @@
 
     python tests/distributed_worker.py OUT.json   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
+Then DDP and FSDP2 (`fully_shard`) train a small GPT for a few steps in each mode.
 Every collective runs twice on the same inputs: on neuron tensors through the default ("neuron")
 group, and on CPU tensors through a gloo group, the reference. In the lazy modes the inputs are
 computed inside the engine block, so the collective has to compute the pending work first.
@@ -17,10 +18,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import tilewise
-from tilewise.distributed.workloads import train_parallel
+from tilewise.distributed.workloads import fully_shard_blocks, train_parallel
 
 MODES = ("eager", "adaptive")
-STEPS, WARMUP, BATCH = 8, 5, 4
+STEPS, WARMUP, BATCH = 6, 4, 4
 
 
 def inputs(rank: int, world: int, device) -> dict[str, torch.Tensor]:
@@ -111,6 +112,22 @@ def trace_lanes() -> dict:
                                                                 if e.get("ph") == "X" and e.get("tid") == collective})}
 
 
+def explorer_view(html_path: str) -> dict:
+    """What the explorer's report shows of a block of collectives: headline labels, the lane."""
+    import tilewise.explorer
+    from tilewise.explorer import summary
+
+    with tilewise.explorer.record() as recorded:
+        with tilewise.engine(mode="adaptive"):
+            collectives("neuron", None)
+    recorded.write_report(html_path)
+    with open(html_path) as f:
+        html = f.read()
+    return {"headline": dict(summary.headline(recorded.run().data["stats"])),
+            "time_by_engine": dict(summary.time_breakdown(recorded.run().data["trace"])["engines"]),
+            "html_names_the_lane": "Collectives" in html}
+
+
 def main(path: str) -> None:
     dist.init_process_group("neuron", timeout=datetime.timedelta(seconds=60))
     gloo = dist.new_group(backend="gloo")
@@ -120,15 +137,16 @@ def main(path: str) -> None:
         with tilewise.engine(mode=mode):
             results = collectives("neuron", None)
         counted = {kind: vars(t) for kind, t in tilewise.stats().collectives.items()}
-        run = train_parallel(DistributedDataParallel, mode, steps=STEPS, global_batch=BATCH, warmup=WARMUP)
-        report["modes"][mode] = {
-            "collectives": results, "counted": counted,
-            "ddp": {"losses": run.losses, "params": [p.tolist() for p in run.params],
-                    "compiled_fraction": run.compiled_fraction, "compiles": run.stats["compiles"],
-                    "cache_hits": run.stats["cache_hits"], "collective_calls": run.collective_calls,
-                    "collective_seconds": run.collective_seconds, "simulated_seconds": run.simulated_seconds},
-        }
+        report["modes"][mode] = {"collectives": results, "counted": counted}
+        for name, wrap in (("ddp", DistributedDataParallel), ("fsdp", fully_shard_blocks)):
+            run = train_parallel(wrap, mode, steps=STEPS, global_batch=BATCH, warmup=WARMUP)
+            report["modes"][mode][name] = {
+                "losses": run.losses, "params": [p.tolist() for p in run.params],
+                "compiled_fraction": run.compiled_fraction, "cache_hits": run.stats["cache_hits"],
+                "collectives": run.stats["collectives"], "collective_seconds": run.collective_seconds,
+                "simulated_seconds": run.simulated_seconds}
     report["trace"] = trace_lanes()
+    report["explorer"] = explorer_view(path + ".html")
     with open(path, "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

@@ -96,6 +96,13 @@ def test_collectives_have_their_lane_in_the_trace(report):
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"} <= set(trace["collective_events"])
 
 
+def test_collectives_are_in_the_explorer_report(report):
+    explorer = report[0]["explorer"]
+    assert explorer["headline"]["collectives"].startswith("16 calls")  # the suite's calls on rank 0
+    assert explorer["time_by_engine"]["Collectives"] > 0
+    assert explorer["html_names_the_lane"]
+
+
 def test_ring_all_reduce_cost_follows_the_spec():
     spec = tilewise.DEVICE.spec
     nbytes = 64 * 2**20
@@ -117,26 +124,43 @@ def cpu_reference():
     return train_single("cpu", None, steps=worker.STEPS, global_batch=worker.BATCH)
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
-def test_ddp_equals_one_process_on_the_global_batch(report, cpu_reference, mode):
+def test_data_parallel_equals_one_process_on_the_global_batch(report, cpu_reference, mode, wrapper):
     for rank in range(WORLD):
-        ddp = report[rank]["modes"][mode]["ddp"]
-        torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(cpu_reference.losses),
+        run = report[rank]["modes"][mode][wrapper]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(cpu_reference.losses),
                                    rtol=1e-5, atol=1e-6)
-        for got, expected in zip(ddp["params"], cpu_reference.params, strict=True):
+        for got, expected in zip(run["params"], cpu_reference.params, strict=True):
             torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-4, atol=1e-6)
 
 
-def test_a_static_ddp_step_compiles_in_adaptive_mode(report):
-    """DDP's bucket all-reduce fires mid-backward and splits the step into segments; each repeats,
-    so after warm-up every compute op of the step runs in compiled regions, served from the cache."""
-    ddp = report[0]["modes"]["adaptive"]["ddp"]
-    assert ddp["compiled_fraction"] >= 0.99
-    assert ddp["cache_hits"] > 0
-    assert report[0]["modes"]["eager"]["ddp"]["compiled_fraction"] == 0.0
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_a_static_data_parallel_step_compiles_in_adaptive_mode(report, wrapper):
+    """DDP's bucket all-reduce fires mid-backward, FSDP2 gathers and frees each block's weights:
+    both split the step into segments at their collectives; each segment repeats, so after warm-up
+    every compute op of the step runs in compiled regions served from the cache."""
+    run = report[0]["modes"]["adaptive"][wrapper]
+    assert run["compiled_fraction"] >= 0.99
+    assert run["cache_hits"] > 0
+    assert report[0]["modes"]["eager"][wrapper]["compiled_fraction"] == 0.0
 
 
-def test_ddp_communication_is_charged(report):
-    ddp = report[0]["modes"]["adaptive"]["ddp"]
-    assert ddp["collective_calls"] >= 1
-    assert 0 < ddp["collective_seconds"] < ddp["simulated_seconds"]
+def test_data_parallel_communication_is_what_each_wrapper_does(report):
+    ddp, fsdp = report[0]["modes"]["adaptive"]["ddp"], report[0]["modes"]["adaptive"]["fsdp"]
+    assert set(ddp["collectives"]) == {"all_reduce"}  # one gradient bucket per step
+    assert {"all_gather", "reduce_scatter"} <= set(fsdp["collectives"])
+    for run in (ddp, fsdp):
+        assert 0 < run["collective_seconds"] < run["simulated_seconds"]
+
+
+# fsdp.py's training is the worker's too; its launch under torchrun is left to the slow run
+@pytest.mark.parametrize("example", ["ddp.py", pytest.param("fsdp.py", marks=pytest.mark.slow)])
+def test_the_example_runs_under_torchrun_and_matches_one_process(example):
+    env = dict(os.environ, TILEWISE_MODE="eager", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "examples", example), "--steps", "3", "--compare"],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "match (float32 tolerance)" in done.stdout

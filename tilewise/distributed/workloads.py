@@ -57,6 +57,17 @@ def neuron_device() -> torch.device:
     return torch.device("neuron", local_rank % torch.neuron.device_count())
 
 
+def fully_shard_blocks(model):
+    """FSDP2 as its docs recommend: each transformer block, then the root, over all the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _engine(mode: str | None):
     if mode is None:
         return contextlib.nullcontext()
