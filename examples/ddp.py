@@ -9,6 +9,7 @@ to the simulated timeline at NeuronLink rates). `--compare` trains the same mode
 process on the global batch and checks that the losses and final weights match.
 """
 import argparse
+import json
 import sys
 
 import torch
@@ -24,6 +25,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8, help="global batch, split evenly among the ranks")
     parser.add_argument("--compare", action="store_true", help="check against one CPU process on the global batch")
+    parser.add_argument("--json", help="rank 0 writes its steady-state figures here")
     args = parser.parse_args()
 
     dist.init_process_group("neuron")
@@ -45,10 +47,19 @@ def main() -> int:
         print(f"steady state (last {args.steps - args.steps // 2} steps): {run.simulated_seconds * 1e3:.3f} ms "
               f"simulated, {100 * run.collective_seconds / max(run.simulated_seconds, 1e-30):.1f}% in collectives, "
               f"{100 * run.compiled_fraction:.1f}% of compute ops compiled")
+        if args.json:
+            write_figures(args.json, run, args.steps - args.steps // 2)
         if args.compare:
             failed = not compare(run, args)
     dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def write_figures(path, run, steps) -> None:
+    with open(path, "w") as f:
+        json.dump({"ranks": dist.get_world_size(), "steps": steps, "simulated_seconds": run.simulated_seconds,
+                   "collective_seconds": run.collective_seconds, "collective_calls": run.collective_calls,
+                   "collective_bytes": run.collective_bytes, "compiled_fraction": run.compiled_fraction}, f)
 
 
 def compare(run, args) -> bool:

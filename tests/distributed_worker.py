@@ -93,6 +93,22 @@ def collectives(device, group) -> dict[str, list]:
     dist.all_to_all_single(exchanged, t["x"], group=group)
     out["all_to_all_single"] = exchanged
 
+    # the collectives c10d runs on the group's gloo backend (no Python hook): not charged
+    reduced = t["y"].clone()
+    dist.reduce(reduced, dst=0, group=group)
+    if rank == 0:
+        out["reduce"] = reduced
+    pieces = [torch.empty(4, 3, device=device) for _ in range(world)]
+    dist.all_to_all(pieces, list(t["x"].chunk(world)), group=group)
+    out["all_to_all"] = torch.stack(pieces)
+    gathered_at_root = [torch.empty_like(t["y"]) for _ in range(world)] if rank == 0 else None
+    dist.gather(t["y"], gathered_at_root, dst=0, group=group)
+    if rank == 0:
+        out["gather"] = torch.stack(gathered_at_root)
+    part = torch.empty(4, 3, device=device)
+    dist.scatter(part, list(t["x"].chunk(world)) if rank == 1 else None, src=1, group=group)
+    out["scatter"] = part
+
     if rank == 0:
         dist.send(t["y"], dst=1, group=group)
         out["send_recv"] = t["y"]

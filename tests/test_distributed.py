@@ -164,3 +164,14 @@ def test_the_example_runs_under_torchrun_and_matches_one_process(example):
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "match (float32 tolerance)" in done.stdout
+
+
+def test_link_figures_are_spec_parameters_checked_like_the_others():
+    from tilewise.device import TRN2, TRN3
+
+    assert TRN3.link_bandwidth == pytest.approx(2.56e12 / 8)
+    assert TRN2.replace(collective_latency_s=0, ring_hop_latency_s=0).collective_latency_s == 0
+    with pytest.raises(tilewise.ConfigError, match="link_bandwidth must be a number > 0"):
+        TRN2.replace(link_bandwidth=0)
+    with pytest.raises(tilewise.ConfigError, match="ring_hop_latency_s must be a number >= 0"):
+        TRN2.replace(ring_hop_latency_s=-1e-6)

@@ -112,6 +112,10 @@ class NeuronProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self._group_name = self._group_desc = ""
+        # gather, scatter, reduce and list all_to_all cannot be overridden from Python (torch 2.13's
+        # PyProcessGroup has no hook for them): c10d runs them on the group's backend for the
+        # tensors' device, which for host buffers (and CPU tensors) is this gloo group.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     # c10d keeps a group's name in its backends; this group has none (it is its own backend), so it
     # keeps the name torch.distributed gives it (DeviceMesh and FSDP2 look groups up by name).
