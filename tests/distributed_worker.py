@@ -119,6 +119,38 @@ def collectives(device, group) -> dict[str, list]:
     return {name: value.cpu().tolist() for name, value in out.items()}
 
 
+def mlp_and_input():
+    torch.manual_seed(0)
+    return (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+            torch.randn(5, 8))
+
+
+def sgd_losses(model, x, device, steps: int = 4) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(x.to(device)).pow(2).sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+def tensor_parallel(mode: str) -> list[float]:
+    """Megatron-style tensor parallelism (DTensor): the first layer split by columns, the second
+    by rows, the partial sums all-reduced by DTensor's functional collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, x = mlp_and_input()
+    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
+    model = parallelize_module(model.to("neuron"), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with tilewise.engine(mode=mode):
+        return sgd_losses(model, x, "neuron")
+
+
 def trace_lanes() -> dict:
     trace = tilewise.DEVICE.timeline.chrome_trace()
     tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"]
@@ -153,7 +185,8 @@ def main(path: str) -> None:
         with tilewise.engine(mode=mode):
             results = collectives("neuron", None)
         counted = {kind: vars(t) for kind, t in tilewise.stats().collectives.items()}
-        report["modes"][mode] = {"collectives": results, "counted": counted}
+        report["modes"][mode] = {"collectives": results, "counted": counted,
+                                 "tensor_parallel": tensor_parallel(mode)}
         for name, wrap in (("ddp", DistributedDataParallel), ("fsdp", fully_shard_blocks)):
             run = train_parallel(wrap, mode, steps=STEPS, global_batch=BATCH, warmup=WARMUP)
             report["modes"][mode][name] = {

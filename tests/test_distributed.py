@@ -115,13 +115,28 @@ def test_ring_all_reduce_cost_follows_the_spec():
 
 
 @pytest.fixture(scope="module")
-def cpu_reference():
+def worker():
     sys.path.insert(0, os.path.dirname(__file__))
     try:
-        import distributed_worker as worker
+        import distributed_worker
     finally:
         sys.path.pop(0)
+    return distributed_worker
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(worker):
     return train_single("cpu", None, steps=worker.STEPS, global_batch=worker.BATCH)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_tensor_parallel_layers_train_as_the_whole_model_does(report, worker, mode):
+    """DTensor's functional collectives run on the group's gloo backend (uncharged, see README)."""
+    model, x = worker.mlp_and_input()
+    expected = worker.sgd_losses(model, x, "cpu")
+    for rank in range(WORLD):
+        torch.testing.assert_close(torch.tensor(report[rank]["modes"][mode]["tensor_parallel"]),
+                                   torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])

@@ -27,8 +27,8 @@ from .cost import COUNTERS, Collective, collective_seconds
 LANE = "Collectives"
 # gloo reduces with these directly (RedOpType values; a ReduceOp object carries one as `.op`); AVG
 # and PREMUL_SUM are a SUM whose result is scaled on the host buffer.
-_GLOO_OPS = frozenset((ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
-             ReduceOp.BXOR))
+_GLOO_OPS = frozenset((ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+                       ReduceOp.BOR, ReduceOp.BXOR))
 
 
 class Done(dist._Work):
@@ -70,7 +70,7 @@ class HostBuffers:
 
 def computed(tensors) -> None:
     """A collective reads its buffers on the host: pending lazy work is computed first."""
-    if DEVICE.lazy_pending and any(isinstance(t, NeuronTensor) for t in tensors):
+    if DEVICE.lazy_pending and _on_device(tensors):
         DEVICE.synchronize()
 
 
@@ -117,8 +117,8 @@ class NeuronProcessGroup(dist.ProcessGroup):
         # tensors' device, which for host buffers (and CPU tensors) is this gloo group.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
-    # c10d keeps a group's name in its backends; this group has none (it is its own backend), so it
-    # keeps the name torch.distributed gives it (DeviceMesh and FSDP2 look groups up by name).
+    # torch.distributed names every group, and DeviceMesh and FSDP2 look groups up by that name. c10d
+    # keeps it in the group's C++ backends, which a Python group's collectives bypass: kept here.
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
@@ -151,7 +151,7 @@ class NeuronProcessGroup(dist.ProcessGroup):
         if work is not None:
             work.wait()
         host.write_back()
-        if kind is Collective.BARRIER or _on_device(tensors):  # a barrier is the device's (NCCL's is an all-reduce)
+        if kind is Collective.BARRIER or _on_device(tensors):  # a barrier syncs the devices, as NCCL's does
             charge(kind, payload, self.size())
         return Done(result)
 
