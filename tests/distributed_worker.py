@@ -138,7 +138,7 @@ def sgd_losses(model, x, device, steps: int = 4) -> list[float]:
     return losses
 
 
-def tensor_parallel(mode: str) -> list[float]:
+def tensor_parallel(mode: str) -> dict:
     """Megatron-style tensor parallelism (DTensor): the first layer split by columns, the second
     by rows, the partial sums all-reduced by DTensor's functional collectives."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -147,8 +147,10 @@ def tensor_parallel(mode: str) -> list[float]:
     model, x = mlp_and_input()
     mesh = init_device_mesh("neuron", (dist.get_world_size(),))
     model = parallelize_module(model.to("neuron"), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    tilewise.stats().reset()
     with tilewise.engine(mode=mode):
-        return sgd_losses(model, x, "neuron")
+        losses = sgd_losses(model, x, "neuron")
+    return {"losses": losses, "collectives": {k: vars(t) for k, t in tilewise.stats().collectives.items()}}
 
 
 def trace_lanes() -> dict:

@@ -131,12 +131,15 @@ def cpu_reference(worker):
 
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
 def test_tensor_parallel_layers_train_as_the_whole_model_does(report, worker, mode):
-    """DTensor's functional collectives run on the group's gloo backend (uncharged, see README)."""
+    """The row-parallel layer's partial sums are all-reduced by DTensor's functional collectives,
+    one per step (forward), charged like the group's own."""
     model, x = worker.mlp_and_input()
     expected = worker.sgd_losses(model, x, "cpu")
     for rank in range(WORLD):
-        torch.testing.assert_close(torch.tensor(report[rank]["modes"][mode]["tensor_parallel"]),
-                                   torch.tensor(expected), rtol=1e-5, atol=1e-6)
+        run = report[rank]["modes"][mode]["tensor_parallel"]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+        assert run["collectives"]["all_reduce"]["calls"] == len(expected)
+        assert run["collectives"]["all_reduce"]["bytes"] == len(expected) * 5 * 4 * 4  # [5, 4] float32 outputs
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])

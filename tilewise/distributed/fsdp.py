@@ -21,9 +21,6 @@ import torch
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 
-_installed = False
-
-
 def _alloc_storage(tensor: torch.Tensor, original) -> None:
     if not isinstance(tensor, NeuronTensor):
         return original(tensor)
@@ -53,15 +50,10 @@ def _as_aten_ops(kernel):
     return rule
 
 
-def install() -> None:
+def install(engine_mode) -> None:
     """Route FSDP2's alloc/free of neuron tensors to their host buffers, and its custom copy ops
-    to aten ops inside the engine (idempotent)."""
-    global _installed
-    if _installed:
-        return
+    to aten ops inside the engine (`engine_mode`: the engine's TorchDispatchMode class). Once."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
-
-    from ..adaptive.tracer import Tracer  # the engine sits above; FSDP2 meets it only at run time
 
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
     _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = lambda t: _alloc_storage(t, alloc)
@@ -69,5 +61,4 @@ def install() -> None:
     for name, kernel in (("fsdp::all_gather_copy_in", _fsdp_collectives.all_gather_copy_in_cuda),
                          ("fsdp::split_with_sizes_copy", _fsdp_collectives.split_with_sizes_copy),
                          ("fsdp::chunk_cat", _fsdp_collectives.chunk_cat)):
-        torch.library.register_torch_dispatch(name, Tracer, _as_aten_ops(kernel))
-    _installed = True
+        torch.library.register_torch_dispatch(name, engine_mode, _as_aten_ops(kernel))

@@ -247,8 +247,25 @@ class NeuronProcessGroup(dist.ProcessGroup):
                          lambda host: self._gloo.recv([host(t) for t in tensors], src, tag), tensors)
 
 
+_hooks_installed = False
+
+
+def install_hooks() -> None:
+    """What FSDP2 and DTensor need of the device and the engine. Here, not at import: FSDP2 is a
+    large import only distributed runs need, and the engine sits above this package."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from ..adaptive.tracer import Tracer
+    from . import functional
+
+    fsdp.install(Tracer)
+    functional.install(NeuronTensor, Tracer)
+    _hooks_installed = True
+
+
 def create(store, rank: int, world_size: int, timeout) -> NeuronProcessGroup:
-    fsdp.install()  # here, not at import: FSDP2 is a large import only distributed runs need
+    install_hooks()
     return NeuronProcessGroup(store, rank, world_size, timeout)
 
 
