@@ -22,9 +22,10 @@ def measure(example: str, ranks: int, args) -> dict:
         out = os.path.join(tmp, "figures.json")
         env = dict(os.environ, TILEWISE_MODE=args.mode, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                        os.path.join(ROOT, "examples", example), "--steps", str(args.steps), "--batch", str(args.batch),
-                        "--json", out], env=env, check=True, capture_output=True, timeout=900)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   os.path.join(ROOT, "examples", example), "--steps", str(args.steps), "--batch", str(args.batch),
+                   "--json", out]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
         with open(out) as f:
             return json.load(f)
 

@@ -10,7 +10,6 @@ computed inside the engine block, so the collective has to compute the pending w
 """
 import datetime
 import json
-import os
 import sys
 
 import torch
