@@ -39,7 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"TinyGPT (2 layers, dim 32), global batch {args.batch}, mode {args.mode}, trn2 spec; "
           f"per step over the last {args.steps - args.steps // 2} of {args.steps} steps, rank 0")
-    print("| ranks | wrapper | sim ms/step | collectives ms/step | comm share | collectives/step | KiB/step | compiled |")
+    print("| ranks | wrapper | sim ms/step | collectives ms/step | comm share | collectives/step | KiB/step "
+          "| compiled |")
     print("|---|---|---|---|---|---|---|---|")
     for ranks in args.ranks:
         for wrapper, example in (("DDP", "ddp.py"), ("FSDP2", "fsdp.py")):
