@@ -37,8 +37,11 @@ def main() -> int:
         if rank == 0:
             print(f"step {step:3d}  rank-0 loss {local_loss:.4f}")
 
-    run = train_parallel(DistributedDataParallel, mode, steps=args.steps, global_batch=args.batch,
-                         warmup=args.steps // 2, on_step=show)
+    def wrap(model):
+        return DistributedDataParallel(model, device_ids=[neuron_device().index])  # as with CUDA
+
+    run = train_parallel(wrap, mode, steps=args.steps, global_batch=args.batch, warmup=args.steps // 2,
+                         on_step=show)
     failed = False
     if rank == 0:
         print(f"global losses ({dist.get_world_size()} ranks, mode {mode}): "
