@@ -53,7 +53,7 @@ def loss_of(model, x, y) -> torch.Tensor:
 
 def neuron_device() -> torch.device:
     """This rank's core: neuron:<local rank> where there are several, else neuron:0."""
-    local_rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank = dist.get_node_local_rank(fallback_rank=dist.get_rank() if dist.is_initialized() else 0)
     return torch.device("neuron", local_rank % torch.neuron.device_count())
 
 
