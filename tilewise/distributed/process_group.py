@@ -42,6 +42,9 @@ class Done(dist._Work):
     def wait(self, timeout=None) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
     def get_future(self) -> torch.futures.Future:
         return self._future
 
