@@ -50,7 +50,7 @@ def run(func, args, kwargs):
     to_host = False
     if kwargs:
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
-    out = plan.call(*host_args, **kwargs)
+    out = func(*host_args, **kwargs)
     counters.ops += 1
     if plan.aliases is not None:
         result = _returned_inputs(plan, args, kwargs, out)
@@ -70,7 +70,7 @@ def run_host(func, host_args, host_kwargs):
     """Run one aten op on host buffers and charge it as one kernel: the lazy engine's replay."""
     plan = plan_of(func)
     try:
-        out = plan.call(*host_args, **host_kwargs)
+        out = func(*host_args, **host_kwargs)
     except NotImplementedError:
         # A device-only op recorded lazily (a fused cell under inference_mode): its composite on
         # the host buffers, charged as one kernel.

@@ -35,7 +35,6 @@ class OpPlan(NamedTuple):
     flops: Callable | None         # PyTorch's flop formula, where one exists
     cross_device: bool             # host tensors of any size are legal arguments
     metadata_mutating: bool
-    call: Callable                 # runs the op: the overload's C++ entry (OpOverload.__call__ without its frame)
     composite: Callable | None     # its computation in aten ops, where the host cannot run it (composite.py)
 
 
@@ -74,7 +73,6 @@ def _make_plan(func) -> OpPlan:
         flops=flops,
         cross_device=name in CROSS_DEVICE,
         metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
-        call=getattr(func, "_op", func),
         composite=COMPOSITES.get(func),
     )
 
