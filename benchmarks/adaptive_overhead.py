@@ -1,8 +1,9 @@
 """Host time per op added by the adaptive engine in steady state, against plain CPU eager.
 
-Runs a chain of small adds (the step) on the CPU, on `neuron` op by op, and on `neuron` inside
-tilewise.engine(mode="adaptive") once its region is compiled; the contenders alternate round by
-round in one run (shared, noisy machines) and medians are reported.
+Runs a chain of small adds (the step) on the CPU, on the CPU under a TorchDispatchMode that runs
+every op as it comes (the floor of any engine built on a dispatch mode), on `neuron` op by op, and
+on `neuron` inside tilewise.engine(mode="adaptive") once its region is compiled; the contenders
+alternate round by round in one run (shared, noisy machines) and medians are reported.
 
     python benchmarks/adaptive_overhead.py [--quick] [--clock cpu]
 
@@ -15,6 +16,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilewise
 
@@ -30,6 +32,16 @@ def step(a, b):
     return x
 
 
+class DoNothingMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def step_in_mode(a, b):
+    with DoNothingMode():
+        return step(a, b)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke test")
@@ -39,7 +51,8 @@ def main():
     clock = CLOCKS[args.clock]
     a, b = torch.randn(8), torch.randn(8)
     a_dev, b_dev = a.to("neuron"), b.to("neuron")
-    timings = {"cpu eager": [], "neuron eager": [], "neuron adaptive": [], "  of which recording": []}
+    timings = {"cpu eager": [], "cpu, do-nothing mode": [], "neuron eager": [], "neuron adaptive": [],
+               "  of which recording": []}
 
     def adaptive_step():
         started = clock()
@@ -53,7 +66,8 @@ def main():
             adaptive_step()
     timings["  of which recording"].clear()
     for _ in range(rounds):
-        for name, fn in (("cpu eager", lambda: step(a, b)), ("neuron eager", lambda: step(a_dev, b_dev))):
+        for name, fn in (("cpu eager", lambda: step(a, b)), ("cpu, do-nothing mode", lambda: step_in_mode(a, b)),
+                         ("neuron eager", lambda: step(a_dev, b_dev))):
             started = clock()
             fn()
             timings[name].append(clock() - started)
@@ -66,7 +80,7 @@ def main():
     print(f"{args.clock} clock, {rounds} interleaved rounds, medians")
     print(f"{'contender':<24}{'us/op':>8}{'added us/op':>14}")
     for name, us in per_op.items():
-        added = f"{us - base:>14.2f}" if not name.startswith(" ") and name != "cpu eager" else f"{'':>14}"
+        added = f"{us - base:>14.2f}" if name != "cpu eager" else f"{'':>14}"
         print(f"{name:<24}{us:>8.2f}{added}")
     stats = tilewise.stats()
     print(f"compiled fraction {100 * stats.compiled_fraction:.1f}%, compiles {stats.compiles}, "
