@@ -47,13 +47,14 @@ class Why(enum.Enum):
     READS_DEVICE_DATA = "reads device data on the host"
     COPY_TO_HOST = "copy to host"
     HOST_TENSOR = "host tensor argument"
+    BETWEEN_CORES = "tensors on two NeuronCores"
 
     @property
     def is_transfer(self) -> bool:
         return self in _TRANSFERS
 
 
-_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR})
+_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR, Why.BETWEEN_CORES})
 
 
 class Reason(NamedTuple):

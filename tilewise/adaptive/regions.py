@@ -224,7 +224,7 @@ class CompiledEntry:
         results = self.compiled.run(*region.arguments(segment))
         for (n, o), value in zip(region.outputs, results):
             store(segment.nodes[n].outs[o], value)
-        record = DEVICE.timeline.record
+        record = DEVICE.cores[segment.core].timeline.record
         for kernel_name, engine, seconds, hbm_bytes, flops in self.compiled.cost:
             record(kernel_name, engine, seconds, hbm_bytes, flops, self.name)
         self.runs += 1

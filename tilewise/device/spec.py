@@ -11,7 +11,8 @@ the NKI programming guide's memory-hierarchy and tile-size sections):
 - Tile limits (nl.tile_size): partition dim <= 128 (pmax); matmul stationary free <= 128
   (gemm_stationary_fmax), moving free <= 512 (gemm_moving_fmax, one 2 KiB PSUM bank of fp32);
   contraction over the partition dim, <= 128.
-We simulate one NeuronCore, so HBM capacity and bandwidth are the chip's divided by its 8 cores.
+Each simulated NeuronCore gets the chip's HBM capacity and bandwidth divided by its 8 cores, and a
+process has `cores_per_chip` of them (neuron:0 ... neuron:7; tilewise.config `cores` overrides).
 Kernel-launch overhead is not published; `launch_overhead_s` is our stated assumption (2 us, in line
 with the per-kernel dispatch cost reported for small NKI kernels), and a named field so it can be
 changed.
@@ -44,6 +45,7 @@ class DeviceSpec:
     matmul_stationary_free: int  # max free size of the stationary (weights) tile
     matmul_moving_free: int      # max free size of the moving tile: one PSUM bank of fp32
     launch_overhead_s: float     # fixed cost of one kernel launch (assumption, see module doc)
+    cores_per_chip: int = 8      # NeuronCores of one chip: neuron:0 ... neuron:7 by default
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
