@@ -97,6 +97,9 @@ class Stream(torch.Stream):
     def __eq__(self, other) -> bool:
         return isinstance(other, Stream) and (self._index, self._id) == (other._index, other._id)
 
+    def __ne__(self, other) -> bool:  # torch.Stream's own would compare the guard's (neuron:0, 0)
+        return not self == other
+
     def __hash__(self) -> int:
         return hash((self._index, self._id))
 

@@ -57,6 +57,12 @@ class NeuronTensor(torch.Tensor):
             text = text[:-1] + ", requires_grad=True)"
         return text
 
+    def new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwargs):
+        # PyTorch resolves this tensor's device through the device guard, and the Python guard
+        # of a PrivateUse1 backend always says neuron:0: name this tensor's own core instead.
+        return super().new_tensor(data, dtype=dtype or self.dtype, device=self.device if device is None else device,
+                                  requires_grad=requires_grad, **kwargs)
+
     def __format__(self, format_spec):
         if self.dim() == 0:
             return self.item().__format__(format_spec)
