@@ -224,7 +224,7 @@ def test_training_on_neuron_1_matches_cpu_and_charges_only_neuron_1(mode):
     kernels, counted = [core.timeline.kernels for core in CORES], tilewise.stats().kernels
     got = _train(model, "neuron:1", 2 * STEPS, mode)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for name, p in model.named_parameters():
         assert p.device == torch.device("neuron", 1) and p.grad is None, name
     assert_compiled_if_lazy(mode)
     charged = [core.timeline.kernels - k for core, k in zip(CORES, kernels)]
