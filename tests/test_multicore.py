@@ -5,6 +5,7 @@ import contextlib
 import copy
 import gc
 import io
+import json
 import os
 import re
 import subprocess
@@ -204,13 +205,19 @@ def test_moving_between_cores_copies_the_data_and_charges_a_transfer_to_the_rece
     torch.testing.assert_close(z.cpu(), a, rtol=0, atol=0)
 
 
-def test_each_core_is_a_process_of_its_own_in_the_trace():
+def test_each_core_is_a_process_of_its_own_in_the_trace(tmp_path):
+    for core in CORES:
+        core.timeline.reset()
     torch.ones(4, device="neuron:1").mul(2)
+    torch.ones(4, device="neuron:0").mul(3)
     trace = CORES[1].timeline.chrome_trace()["traceEvents"]
     names = {e["args"]["name"] for e in trace if e.get("name") == "process_name"}
     assert "NeuronCore 1 (simulated clock)" in names
     kernels = [e for e in trace if e["ph"] == "X" and e["pid"] == 11]
-    assert kernels and all(e["tid"] > 1000 for e in kernels)
+    assert [e["name"] for e in kernels] == ["fill_", "mul"] and all(e["tid"] > 1000 for e in kernels)
+    merged = json.loads(open(tilewise.DEVICE.export_chrome_trace(str(tmp_path / "t.json"))).read())["traceEvents"]
+    by_core = {pid: [e["name"] for e in merged if e["ph"] == "X" and e["pid"] == pid] for pid in (1, 11, 12)}
+    assert by_core == {1: ["fill_", "mul"], 11: ["fill_", "mul"], 12: []}
 
 
 # ---- every mode computes on neuron:1 what the CPU computes --------------------------------------

@@ -8,6 +8,7 @@ sync hooks, since one engine serves every core of the process.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from typing import NamedTuple
 
@@ -87,6 +88,21 @@ class Device:
         timelines = [core.timeline for core in self.cores]
         return Busy(sum(t.clock for t in timelines), sum(t.hbm_bytes for t in timelines),
                     sum(t.kernels for t in timelines))
+
+    def chrome_trace(self) -> dict:
+        """Every core in one trace: neuron:0's, with the host lanes, and each other core that has
+        run a kernel, as a process of its own."""
+        trace = self.cores[0].timeline.chrome_trace()
+        for core in self.cores[1:]:
+            if core.timeline.events:
+                lanes, kernels = core.timeline.device_events()
+                trace["traceEvents"] += lanes + kernels
+        return trace
+
+    def export_chrome_trace(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+        return path
 
     def synchronize(self) -> None:
         for hook in list(self.sync_hooks):

@@ -81,14 +81,18 @@ class Timeline:
         unrelated: each flush span carries the simulated time its kernels ran at, in its args.
         `kernels` and `host_events` default to everything kept.
         """
-        kernels = list(self.events) if kernels is None else kernels
         host_events = list(self.host_events) if host_events is None else host_events
+        lanes, kernel_events = self.device_events(kernels)
+        return {"traceEvents": lanes + _lanes(2, "Host (wall clock)", _HOST_TID) + kernel_events
+                + _host_trace(host_events),
+                "displayTimeUnit": "ns"}
+
+    def device_events(self, kernels=None) -> tuple[list[dict], list[dict]]:
+        """This core's process in the trace: its lanes, and its kernels (default: all kept)."""
+        kernels = list(self.events) if kernels is None else kernels
         pid, tids = _core_process(self.core)
         name = "NeuronCore (simulated clock)" if self.core == 0 else f"NeuronCore {self.core} (simulated clock)"
-        return {"traceEvents": _lanes(pid, name, tids)
-                + _lanes(2, "Host (wall clock)", _HOST_TID)
-                + [_kernel_event(k, pid, tids) for k in kernels] + _host_trace(host_events),
-                "displayTimeUnit": "ns"}
+        return _lanes(pid, name, tids), [_kernel_event(k, pid, tids) for k in kernels]
 
     def export_chrome_trace(self, path: str) -> str:
         with open(path, "w") as f:
