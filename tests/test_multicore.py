@@ -373,3 +373,12 @@ def test_the_cores_setting_sets_the_number_of_cores():
     first, second = done.stdout.splitlines()[:2]
     assert first == "2 neuron:1"
     assert "invalid device ordinal neuron:2 (torch.neuron.device_count() == 2)" in second
+
+
+def test_dataloader_workers_hand_back_tensors_on_their_core():
+    data = torch.arange(12.0).reshape(6, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.to("neuron:1")), batch_size=3,
+                                         num_workers=2, timeout=120)
+    batches = [batch for batch, in loader]
+    assert [b.device for b in batches] == [torch.device("neuron", 1)] * 2
+    torch.testing.assert_close(torch.cat([b.cpu() for b in batches]), data, rtol=0, atol=0)

@@ -142,9 +142,11 @@ class Runtime:
         a new one there; an op on two cores (a transfer, or PyTorch's same-device error) runs
         eagerly."""
         cores = _cores_of(args, set())
-        device = kwargs.get("device") if kwargs else None
-        if device is not None and names_neuron(device):
-            cores.add(check_device(device).index)
+        if kwargs:
+            _cores_of(kwargs.values(), cores)  # out=, and tensors passed by name
+            device = kwargs.get("device")
+            if device is not None and names_neuron(device):
+                cores.add(check_device(device).index)
         if len(cores) > 1:
             return Reason(Why.BETWEEN_CORES)
         core = cores.pop() if cores else DEVICE.current_index()
