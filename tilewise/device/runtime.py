@@ -26,8 +26,12 @@ class Core:
 
     def __init__(self, index: int, spec: DeviceSpec):
         self.index = index
-        self.hbm = HBM(spec.hbm_bytes, spec.name)
+        self.hbm = HBM(spec.hbm_bytes, self.describe(spec))
         self.timeline = Timeline(config.timeline_events, core=index)
+
+    def describe(self, spec: DeviceSpec) -> str:
+        """How an out-of-memory error names this core: "neuron:1 (trn2)"."""
+        return f"neuron:{self.index} ({spec.name})"
 
     @functools.cached_property
     def device(self) -> torch.device:
@@ -113,7 +117,7 @@ class Device:
         self.spec = spec
         for core in self.cores:
             core.hbm.capacity = spec.hbm_bytes
-            core.hbm.spec_name = spec.name
+            core.hbm.spec_name = core.describe(spec)
 
     def refresh_from_config(self) -> None:
         """Re-read TILEWISE_DEVICE (raising ConfigError on a bad name before anything changes)."""
