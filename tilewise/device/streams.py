@@ -49,13 +49,13 @@ def device_index(device, *, optional: bool = True) -> int:
 class Stream(torch.Stream):
     """A queue of work on one core (torch.cuda.Stream's methods). Work is done when issued."""
 
-    def __new__(cls, device=None, priority: int = 0, **kwargs):
+    def __new__(cls, device=None, priority: int = 0, *, _default: bool = False):
         return super().__new__(cls, device="neuron", priority=priority)
 
-    def __init__(self, device=None, priority: int = 0, **kwargs):
+    def __init__(self, device=None, priority: int = 0, *, _default: bool = False):
         self._index = device_index(device)
         self._priority = priority
-        self._id = kwargs.get("stream_id", next(_stream_ids))
+        self._id = 0 if _default else next(_stream_ids)
 
     @property
     def device(self) -> torch.device:
@@ -175,7 +175,7 @@ def default_stream(device=None) -> Stream:
     with _defaults_lock:
         stream = _defaults.get(index)
         if stream is None:
-            stream = _defaults[index] = Stream(index, stream_id=0)
+            stream = _defaults[index] = Stream(index, _default=True)
     return stream
 
 
