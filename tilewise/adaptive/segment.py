@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..device.tensor import NeuronTensor, names_neuron, wrap
+from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh
 from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
@@ -109,9 +109,9 @@ class Segment:
         descr: list = []
         node.args = self._host(args, descr, node, producer_fps)
         kw_descr: list = []
-        node.kwargs = {k: self._host_one(v, kw_descr, node, producer_fps) for k, v in kwargs.items()} \
+        node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps))) \
             if kwargs else {}
-        if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
+        if kwargs and names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
             node.kwargs["device"] = torch.device("cpu")
         node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
             (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
@@ -137,31 +137,37 @@ class Segment:
 
     # -- inputs --------------------------------------------------------------------------------
     def _host(self, seq, descr: list, node: Node, producer_fps: list) -> list:
-        return [self._host_one(arg, descr, node, producer_fps) for arg in seq]
-
-    def _host_one(self, arg, descr: list, node: Node, producer_fps: list):
-        if isinstance(arg, NeuronTensor):
-            data = arg._data
-            node.inputs.append(data)
-            key = id(data)
-            source = self._values.get(key)
-            if source is None:
-                ext = self._external_ids.get(key)
-                if ext is None:
-                    ext = self._external_ids[key] = (len(self.externals), _metadata(data) + (EXTERNAL,))
-                    self.externals.append(data)
-                node.ext.append(ext[0])
-                descr.append(ext[1])
+        """The host values of a sequence of arguments, describing each into `descr`. Device tensors,
+        the common case, are handled inline: this runs for every argument of every recorded op."""
+        host = []
+        for arg in seq:
+            if type(arg) is NeuronTensor or isinstance(arg, NeuronTensor):
+                data = arg._data
+                node.inputs.append(data)
+                key = id(data)
+                source = self._values.get(key)
+                if source is not None:  # an output of this segment
+                    node.srcs.append(source[:2])
+                    producer_fps.append(source[2])
+                    descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
+                else:
+                    ext = self._external_ids.get(key)
+                    if ext is None:
+                        ext = self._external_ids[key] = (len(self.externals), _metadata(data) + (EXTERNAL,))
+                        self.externals.append(data)
+                    node.ext.append(ext[0])
+                    descr.append(ext[1])
+                host.append(data)
+            elif type(arg) is list or type(arg) is tuple:
+                inner: list = []
+                host.append(self._host(arg, inner, node, producer_fps))
+                descr.append(tuple(inner))
             else:
-                node.srcs.append(source[:2])
-                producer_fps.append(source[2])
-                descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
-            return data
-        if type(arg) is list or type(arg) is tuple:
-            inner: list = []
-            host = [self._host_one(a, inner, node, producer_fps) for a in arg]
-            descr.append(tuple(inner))
-            return host
+                host.append(self._host_value(arg, descr, node))
+        return host
+
+    def _host_value(self, arg, descr: list, node: Node):
+        """An argument that is not on the device: a CPU scalar tensor or a Python constant."""
         if isinstance(arg, torch.Tensor):
             scalars = getattr(arg, "tilewise_scalars", False)  # numbers the runtime lifted (runtime._LIFTED)
             if arg.device.type != "cpu" or arg.dim() != 0 and not scalars:
@@ -218,11 +224,11 @@ class Segment:
             shape, stride, dtype = outputs[0]
             buffer = torch.empty_strided(shape, stride, dtype=dtype)
             node.outs = (buffer,)
-            wrapped = wrap(buffer, self.core)
+            wrapped = wrap_fresh(buffer, shape, stride, dtype, self.core)
             node.wrappers = (_held(wrapped),)
             return wrapped
         node.outs = tuple(None if out is None else torch.empty_strided(*out[:2], dtype=out[2]) for out in outputs)
-        wrapped = [None if b is None else wrap(b, self.core) for b in node.outs]
+        wrapped = [None if b is None else wrap_fresh(b, *out, self.core) for b, out in zip(node.outs, outputs)]
         node.wrappers = tuple(_NOTHING if w is None else _held(w) for w in wrapped)
         return tuple(wrapped)
 

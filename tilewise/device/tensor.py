@@ -129,14 +129,31 @@ def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     if data.is_quantized:
         raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
                           "neuron; use .dequantize() first")
-    tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
-                           storage_offset=data.storage_offset(), dtype=data.dtype, device=owner.device)
+    offset = data.storage_offset()
+    if offset:
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
+                               dtype=data.dtype, device=owner.device)
+    else:  # every fresh buffer: one keyword fewer for PyTorch's argument parser
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype, device=owner.device)
     tensor._data = data
     if core:
         tensor._core = core
         DEVICE.beyond_first_core = True
     if data.is_conj() or data.is_neg():
         _mirror_math_bits(tensor, data)
+    return tensor
+
+
+def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int = 0) -> NeuronTensor:
+    """wrap() for a buffer the engine has just allocated on neuron:<core> with this size, stride
+    and dtype: dense, at offset 0, no conjugate or negative bit. Every op the lazy engine records
+    makes one, so the checks of wrap() that cannot apply are skipped."""
+    owner = _CORES[core]
+    owner.hbm.track(data)
+    tensor = _make_wrapper(NeuronTensor, size, strides=stride, dtype=dtype, device=owner.device)
+    tensor._data = data
+    if core:
+        tensor._core = core
     return tensor
 
 

@@ -6,7 +6,8 @@ import json
 import threading
 from typing import NamedTuple
 
-ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA")
+# "Collectives": tilewise.distributed's all_reduce, all_gather, ... on the NeuronLink.
+ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA", "Collectives")
 # What the host does around the device, on the host's wall clock (time.perf_counter seconds).
 HOST_LANES = ("tracing", "flush", "compilation", "eager ops")
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..device.cost import kernel_seconds
+from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from . import composite
-from .composite import COMPOSITES
 from .plan import OpPlan, plan_of
 
 CPU = torch.device("cpu")
@@ -64,16 +63,21 @@ def execute(func, args, kwargs):
 
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
-    composite = COMPOSITES.get(func)
-    if composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
-        return composite(*args, **kwargs)
     plan = plan_of(func)
+    if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
+        return plan.composite(*args, **kwargs)
     traffic = _Traffic()
     host_args = _unwrap(args, plan, traffic)
-    to_host = False
+    to_host = uploads = False
     if kwargs:
+        uploads = kwargs.get("device") is not None
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
     out = func(*host_args, **kwargs)
+    if uploads and not to_host and _shares_memory_with(out, args):
+        # `to(device="neuron")` reaches us whole under inference_mode; run on the host with
+        # device=cpu it returns its input itself, which would make the device tensor the user's
+        # CPU tensor: an upload copies, as `_to_copy` does
+        out = out.clone()
     counters.ops += 1
     core = traffic.destination()
     if plan.aliases is not None:
@@ -81,11 +85,21 @@ def run(func, args, kwargs):
         _follow_host_metadata(plan, result)
     elif to_host:
         result = out
+    elif type(out) is _Tensor:  # the common case, without _wrap_outputs' tests
+        result = wrap(out, core)
     else:
         result = _wrap_outputs(out, core)
     if plan.kernel:
         _charge(plan, host_args, kwargs, out, traffic, core)
     return result
+
+
+def _shares_memory_with(out, args) -> bool:
+    if not isinstance(out, _Tensor):
+        return False
+    storage = out.untyped_storage().data_ptr()
+    return any(isinstance(a, _Tensor) and type(a) is not NeuronTensor and a.untyped_storage().data_ptr() == storage
+               for a in args)
 
 
 def run_host(func, host_args, host_kwargs, core: int = 0):
@@ -97,10 +111,9 @@ def run_host(func, host_args, host_kwargs, core: int = 0):
     except NotImplementedError:
         # A device-only op recorded lazily (a fused cell under inference_mode): its composite on
         # the host buffers, charged as one kernel.
-        composite = COMPOSITES.get(func)
-        if composite is None:
+        if plan.composite is None:
             raise
-        out = composite(*host_args, **host_kwargs)
+        out = plan.composite(*host_args, **host_kwargs)
     counters.ops += 1
     if plan.kernel:
         traffic = _Traffic()
@@ -244,24 +257,50 @@ def _restride(plan: OpPlan, tensor: NeuronTensor) -> None:
 
 
 def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) -> None:
-    # Ops without returns (the in-place _foreach_ family) write their first argument.
-    written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
-    if dtype is None:
-        return  # nothing computed on the device (e.g. a scalar read), no kernel
-    flops = 0
-    if plan.flops is not None:
-        flops = int(plan.flops(*host_args, **kwargs, out_val=out))
-        work = flops
+    if type(out) is _Tensor:  # the common case, without _output_traffic's tests
+        out_numel = out.numel()
+        written, dtype = out_numel * out.element_size(), out.dtype
     else:
-        work = max(out_numel, traffic.numel)
-    spec = DEVICE.spec
+        # Ops without returns (the in-place _foreach_ family) write their first argument.
+        written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
+        if dtype is None:
+            return  # nothing computed on the device (e.g. a scalar read), no kernel
+    if plan.flops is not None:
+        flops = work = int(plan.flops(*host_args, **kwargs, out_val=out))
+    else:
+        flops, work = 0, out_numel if out_numel > traffic.numel else traffic.numel
     hbm_bytes = traffic.bytes + written
     source = traffic.source(core) if plan.cross_device else None
     # a copy between cores is a transfer, charged to the receiving core and named for both
     name = plan.name if source is None else f"{plan.name} neuron:{source}->neuron:{core}"
-    DEVICE.cores[core].timeline.record(name, plan.engine, kernel_seconds(spec, plan.engine, hbm_bytes, work, dtype),
+    DEVICE.cores[core].timeline.record(name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, dtype),
                                        hbm_bytes, flops)
     counters.kernels += 1
+
+
+class _KernelSeconds:
+    """device.cost.kernel_seconds with each (engine, dtype)'s compute rate read once per spec:
+    the same arithmetic, so the same simulated time, for one kernel charged per eager op."""
+
+    def __init__(self):
+        self.spec = None
+        self.rates: dict = {}
+
+    def __call__(self, engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
+        spec = DEVICE.spec
+        if spec is not self.spec:  # a preset switched (DEVICE.use_spec) since the last kernel
+            self.spec, self.rates = spec, {}
+        key = (engine, dtype)
+        if key in self.rates:
+            rate = self.rates[key]
+        else:
+            rate = self.rates[key] = compute_rate(spec, engine, dtype)
+        compute = work / rate if rate is not None else 0.0
+        dma = hbm_bytes / spec.hbm_bandwidth
+        return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
+
+
+_kernel_seconds = _KernelSeconds()
 
 
 def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
