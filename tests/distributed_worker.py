@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import tilewise
-from tilewise.distributed.workloads import fully_shard_blocks, train_parallel
+from tilewise.distributed.workloads import fully_shard_blocks, neuron_device, train_parallel
 
 MODES = ("eager", "adaptive")
 STEPS, WARMUP, BATCH = 6, 4, 4
@@ -144,11 +144,13 @@ def tensor_parallel(mode: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model, x = mlp_and_input()
+    device = neuron_device()  # this rank's core, current as for CUDA
+    torch.neuron.set_device(device)
     mesh = init_device_mesh("neuron", (dist.get_world_size(),))
-    model = parallelize_module(model.to("neuron"), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model = parallelize_module(model.to(device), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     tilewise.stats().reset()
     with tilewise.engine(mode=mode):
-        losses = sgd_losses(model, x, "neuron")
+        losses = sgd_losses(model, x, device)
     return {"losses": losses, "collectives": {k: vars(t) for k, t in tilewise.stats().collectives.items()}}
 
 

@@ -20,6 +20,7 @@ class Why(enum.Enum):
     READS_DEVICE_DATA = "reads device data on the host"
     COPY_TO_HOST = "copy to host"
     HOST_TENSOR = "host tensor argument"
+    BETWEEN_CORES = "tensors on two NeuronCores"
     # the compiler's refusals
     FUSION_KINDS = "kind"        # two kernel kinds that do not fuse (matmul with matmul)
     CYCLE = "cycle"              # the fusion would make the kernel graph cyclic
@@ -36,7 +37,7 @@ class Why(enum.Enum):
         return self in _TRANSFERS
 
 
-_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR})
+_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR, Why.BETWEEN_CORES})
 
 
 class Reason(NamedTuple):

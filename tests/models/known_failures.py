@@ -10,10 +10,3 @@ BF16_LAYER_NORM_DECOMPOSITION_ROUNDING = (
     "5 SGD-momentum steps carry that to 5/512 elements of the first Linear weight off by 1.7e-3 (rel 0.11, "
     "beyond bf16 tolerance). Repro: `PYTHONPATH=tests python -c \"from models.lowp import bf16_training; "
     "bf16_training('compiled')\"`")
-
-CHECKPOINT_MAP_LOCATION_NEURON = (
-    "device serialization (since e62ae8b): torch.load(cpu_checkpoint, map_location='neuron') returns CPU "
-    "tensors (every mode, and outside an engine); before e62ae8b it raised AttributeError (torch.neuron had "
-    "no `device` for torch.storage._to). Where the neuron location is dropped is not pinned down. Repro: "
-    "`b = io.BytesIO(); torch.save(torch.ones(2), b); b.seek(0); torch.load(b, map_location='neuron').device` "
-    "-> cpu")

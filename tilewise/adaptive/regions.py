@@ -224,7 +224,7 @@ class CompiledEntry:
         results = self.compiled.run(*region.arguments(segment))
         for (n, o), value in zip(region.outputs, results):
             store(segment.nodes[n].outs[o], value)
-        record = DEVICE.timeline.record
+        record = DEVICE.cores[segment.core].timeline.record
         for launch in self.compiled.cost:
             record(*launch, self.name)
         self.runs += 1

@@ -21,7 +21,7 @@ import torch
 
 from ..config import config
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor
+from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import check_device, execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from ..errors import TilewiseError
@@ -38,6 +38,7 @@ from .stats import Stats
 aten = torch.ops.aten
 _FAILED = "failed"
 ENGINE_EXITED = "engine exited"
+CORE_CHANGE = "an op on another NeuronCore"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
@@ -109,7 +110,7 @@ class Runtime:
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = (runs_now(func), is_random(func))
-            reason = info[0] or copies_to_host(kwargs)
+            reason = info[0] or copies_to_host(kwargs) or self._enter_core(args, kwargs)
             if reason is None and info[1] and draws_random(func, args):
                 return self._random(func, args, kwargs)
             if reason is None:
@@ -136,6 +137,26 @@ class Runtime:
             finally:
                 DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
                                      reason=str(reason))
+
+    def _enter_core(self, args, kwargs) -> Reason | None:
+        """Keep a segment on one core: an op on another core flushes the segment first and starts
+        a new one there; an op on two cores (a transfer, or PyTorch's same-device error) runs
+        eagerly."""
+        cores = _cores_of(args, set())
+        if kwargs:
+            _cores_of(kwargs.values(), cores)  # out=, and tensors passed by name
+            device = kwargs.get("device")
+            if device is not None and names_neuron(device):
+                cores.add(check_device(device).index)
+        if len(cores) > 1:
+            return Reason(Why.BETWEEN_CORES)
+        core = cores.pop() if cores else DEVICE.current_index()
+        if core != self.segment.core:
+            self.flush(CORE_CHANGE)
+            if self.segment.nodes:  # not flushed (a flush is under way): this op runs eagerly
+                return Reason(Why.BETWEEN_CORES)
+            self.segment.core = core
+        return None
 
     def _random(self, func, args, kwargs):
         """Random ops draw now, in eager's order; what they read must be computed already."""
@@ -451,7 +472,7 @@ def _every_node(segment: Segment) -> list[NodeStep]:
 def _replay(node) -> None:
     if node.kind == VIEW:
         return  # taken on the real buffers at record time
-    out = run_host(node.func, node.args, node.kwargs)
+    out = run_host(node.func, node.args, node.kwargs, node.core)
     if node.kind == FUNCTIONAL:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for buffer, value in zip(node.outs, outs):
@@ -474,6 +495,16 @@ def _flat(values):
             yield from _flat(value)
         else:
             yield value
+
+
+def _cores_of(values, cores: set) -> set:
+    """The cores of the device tensors among `values` (nested lists and tuples included)."""
+    for value in values:
+        if isinstance(value, NeuronTensor):
+            cores.add(value._core)
+        elif type(value) is list or type(value) is tuple:
+            _cores_of(value, cores)
+    return cores
 
 
 def _device_tensors(values):

@@ -52,14 +52,17 @@ def _held(wrapped: NeuronTensor) -> weakref.ref:
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts")
+                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts", "core")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
 
 
 class Segment:
-    def __init__(self):
+    def __init__(self, core: int = 0):
+        # the NeuronCore every op of the segment runs on (a segment never mixes cores: the
+        # runtime flushes before an op on another core); its outputs are that core's tensors
+        self.core = core
         self.nodes: list[Node] = []
         # id(host tensor) -> (node index, output index, fingerprint); host tensors of nodes are
         # kept alive by the nodes, so ids are stable for the life of the segment.
@@ -94,7 +97,7 @@ class Segment:
     def _record(self, func, args, kwargs, meta_cache, scalar_sites):
         plan = plan_of(func)
         node = Node()
-        node.func, node.plan = func, plan
+        node.func, node.plan, node.core = func, plan, self.core
         node.srcs = []   # (segment node index, output index) of in-segment inputs
         node.floats = False  # has float constants (which may change from flush to flush)
         # Every host tensor the op reads, flattened in argument order. Python scalars are
@@ -201,7 +204,7 @@ class Segment:
             outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
             node.outs = tuple(outs)
             node.out_meta = [_metadata(o) for o in outs]
-            wrapped = [wrap(o) for o in outs]
+            wrapped = [wrap(o, self.core) for o in outs]
             node.wrappers = tuple(_held(w) for w in wrapped)
             node.roots = tuple(self._root_of(node) for _ in outs)
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
@@ -221,11 +224,11 @@ class Segment:
             shape, stride, dtype = outputs[0]
             buffer = torch.empty_strided(shape, stride, dtype=dtype)
             node.outs = (buffer,)
-            wrapped = wrap_fresh(buffer, shape, stride, dtype)
+            wrapped = wrap_fresh(buffer, shape, stride, dtype, self.core)
             node.wrappers = (_held(wrapped),)
             return wrapped
         node.outs = tuple(None if out is None else torch.empty_strided(*out[:2], dtype=out[2]) for out in outputs)
-        wrapped = [None if b is None else wrap_fresh(b, *out) for b, out in zip(node.outs, outputs)]
+        wrapped = [None if b is None else wrap_fresh(b, *out, self.core) for b, out in zip(node.outs, outputs)]
         node.wrappers = tuple(_NOTHING if w is None else _held(w) for w in wrapped)
         return tuple(wrapped)
 

@@ -53,7 +53,7 @@ class Stats:
         self.fallback_sources: dict = {}                                 # (op, reason) -> "file:line"
         self.flush_reasons: collections.Counter = collections.Counter()
         self.regions: dict[str, RegionStats] = {}
-        self._device_start = (DEVICE.timeline.clock, DEVICE.timeline.hbm_bytes, DEVICE.timeline.kernels)
+        self._device_start = DEVICE.busy()  # summed over the NeuronCores
         self._collectives_start = COLLECTIVES.snapshot()
 
     def on_compiled(self, event) -> None:
@@ -70,15 +70,15 @@ class Stats:
 
     @property
     def simulated_seconds(self) -> float:
-        return DEVICE.timeline.clock - self._device_start[0]
+        return DEVICE.busy().seconds - self._device_start.seconds
 
     @property
     def hbm_bytes(self) -> int:
-        return DEVICE.timeline.hbm_bytes - self._device_start[1]
+        return DEVICE.busy().hbm_bytes - self._device_start.hbm_bytes
 
     @property
     def kernels(self) -> int:
-        return DEVICE.timeline.kernels - self._device_start[2]
+        return DEVICE.busy().kernels - self._device_start.kernels
 
     @property
     def unused_compiles(self) -> int:

@@ -11,7 +11,8 @@ the NKI programming guide's memory-hierarchy and tile-size sections):
 - Tile limits (nl.tile_size): partition dim <= 128 (pmax); matmul stationary free <= 128
   (gemm_stationary_fmax), moving free <= 512 (gemm_moving_fmax, one 2 KiB PSUM bank of fp32);
   contraction over the partition dim, <= 128.
-We simulate one NeuronCore, so HBM capacity and bandwidth are the chip's divided by its 8 cores.
+Each simulated NeuronCore gets the chip's HBM capacity and bandwidth divided by its 8 cores, and a
+process has `cores_per_chip` of them (neuron:0 ... neuron:7; tilewise.config `cores` overrides).
 Collectives (tilewise.distributed) follow the same rule for the chip-to-chip link: NeuronLink-v3
 gives 1.28 TB/s per Trainium2 chip ("Trainium2 architecture", trainium2.rst) and NeuronLink-v4
 2.56 TB/s per Trainium3 chip (trainium3.rst; trn3-arch.rst states 2,048 GiB/s = 2.2 TB/s, and we
@@ -54,6 +55,7 @@ class DeviceSpec:
     link_bandwidth: float        # NeuronLink bytes/s available to this core for collectives
     collective_latency_s: float  # fixed cost of one collective
     ring_hop_latency_s: float    # added per step of a ring collective
+    cores_per_chip: int = 8      # NeuronCores of one chip: neuron:0 ... neuron:7 by default
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -4,13 +4,10 @@
 does on CUDA, and DistributedDataParallel, FSDP2 and DTensor run on neuron tensors unmodified.
 On a PyTorch build without torch.distributed only the cost model is here.
 """
-import torch
 import torch.distributed as dist
 
 from .cost import COUNTERS, Collective, CollectiveTotals, collective_seconds
-from .streams import install as _install_streams
 
-_install_streams(torch.neuron)
 if dist.is_available():
     from .process_group import NeuronProcessGroup, register
 

@@ -33,7 +33,7 @@ def _run_and_charge(kind: Collective):
         inputs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         world_size = group.size()
-        charge(kind, nbytes * world_size if kind is Collective.ALL_GATHER else nbytes, world_size)
+        charge(kind, nbytes * world_size if kind is Collective.ALL_GATHER else nbytes, world_size, inputs)
         return result
 
     return rule

@@ -77,9 +77,12 @@ def computed(tensors) -> None:
         DEVICE.synchronize()
 
 
-def charge(kind: Collective, nbytes: int, world_size: int) -> None:
+def charge(kind: Collective, nbytes: int, world_size: int, tensors=()) -> None:
+    """Record the collective on the timeline of the core its tensors are on (a barrier, with none:
+    the current core)."""
+    core = next((t._core for t in tensors if isinstance(t, NeuronTensor)), None)
     seconds = collective_seconds(DEVICE.spec, kind, nbytes, world_size)
-    DEVICE.timeline.record(f"{kind.value} {nbytes} B", LANE, seconds, 0, 0, region="collectives")
+    DEVICE.core(core).timeline.record(f"{kind.value} {nbytes} B", LANE, seconds, 0, 0, region="collectives")
     COUNTERS.add(kind, nbytes, seconds)
 
 
@@ -155,7 +158,7 @@ class NeuronProcessGroup(dist.ProcessGroup):
             work.wait()
         host.write_back()
         if kind is Collective.BARRIER or _on_device(tensors):  # a barrier syncs the devices, as NCCL's does
-            charge(kind, payload, self.size())
+            charge(kind, payload, self.size(), tensors)
         return Done(result)
 
     def _reduce(self, kind: Collective, tensors, payload: int, opts, call, outputs, result):

@@ -104,6 +104,8 @@ def train_parallel(wrap: Callable, mode: str | None, steps: int = 8, global_batc
     share = global_batch // world_size
     rows = slice(rank * share, (rank + 1) * share)
     device = neuron_device()
+    # as with CUDA: FSDP2 and DeviceMesh make their tensors on the current device
+    torch.neuron.set_device(device)
     model, data = model_and_data(steps, global_batch, seed)
     model = wrap(model.to(device))
     opt = make_optimizer(model)
