@@ -479,7 +479,7 @@ class KernelWriter:
         src = op.srcs[0]
         out_type = c_type(op.dtype)
         accumulate = out_type if name in ("amax", "amin") or not op.dtype.is_floating_point else "double"
-        x = cast(f"row[f]", src.dtype, op.dtype)
+        x = cast("row[f]", src.dtype, op.dtype)
         self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
         self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
         self.emit(f"  const {c_type(src.dtype)} *row = &{self.buffer(src)}[p * {src.shape[1][1]}];")
@@ -503,7 +503,7 @@ class KernelWriter:
         fold = combine.replace("acc", "lane[j]")
         self.emit(f"  {ctype} {result} = {start};")
         self.emit(f"  {{ {ctype} lane[{LANES}]; for (int j = 0; j < {LANES}; j++) lane[j] = {start};")
-        self.emit(f"  int64_t f = 0;")
+        self.emit("  int64_t f = 0;")
         self.emit(f"  for (; f + {LANES} <= n; f += {LANES}) for (int j = 0; j < {LANES}; j++) "
                   f"{{ const {ctype} x = {x.replace('row[f]', 'row[f + j]')}; {fold}; }}")
         self.emit(f"  for (int j = 0; j < {LANES}; j++) {{ const {ctype} x = lane[j]; "
