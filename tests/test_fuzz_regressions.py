@@ -221,14 +221,25 @@ def test_sgd_step_through_data_after_backward():
     ), features=DATA)
 
 
-@pytest.mark.xfail(strict=True, reason="device bug: set_(source) on an empty tensor is refused as growing "
-                   "in place ('to (0,) from (0,)'), in every mode")
 def test_set_of_an_empty_tensor_to_a_pending_value():
+    """set_ grew the wrapper past the bytes its storage was made with and was refused; the wrapper
+    now gets a storage as large as its new host buffer (eager/executor.py _grow_wrapper_storage)."""
     fuzzing.check(Program(
         inputs=[((3,), 'float32', False)],
         lines=['v0 = torch.empty(0, dtype=x0.dtype, device=x0.device); v0.set_(x0 + 1)'],
         outputs=['v0'],
     ), features=fuzzing.Features.parse("set_copy,poison"))
+
+
+def test_resize_of_a_pending_value_beyond_its_elements():
+    """resize_ to more elements than the tensor had was refused as growing in place (the wrapper's
+    storage was as large as the tensor it was made for); the new elements are uninitialised, as
+    on CPU, so only the old ones are read."""
+    fuzzing.check(Program(
+        inputs=[((4, 4), 'float32', False)],
+        lines=['v0 = x0.reshape(16) * 1; v0.resize_(5, 5); v1 = v0.reshape(25)[:16] * 2'],
+        outputs=['v1'],
+    ))
 
 
 def test_copy_keeps_the_value_its_pending_source_had():
