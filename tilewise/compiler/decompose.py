@@ -212,8 +212,36 @@ def functional_tensor_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+def exact_expands(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with every `expand` that broadcasts nothing made an `alias` or `view` (traced
+    through `_expand_exactly`, which sees the input's shape).
+
+    Functionalization writes a mutation of an expand view back to its base as
+    `base + sum_to(mutated - base)`, which rounds (`x.expand(x.shape)[..., 0] = 2.0` left 2 - 1 ulp
+    where x was negative); the write-backs of alias and view are the mutated values themselves.
+    An expand that does broadcast cannot be written through on CPU (its elements overlap)."""
+    if not any(node.target is aten.expand.default for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.target is aten.expand.default:
+            node.target = _expand_exactly
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _expand_exactly(x: torch.Tensor, size, implicit: bool = False) -> torch.Tensor:
+    new_dims = len(size) - x.dim()
+    kept = all(s in (-1, old) for s, old in zip(size[new_dims:], x.shape))
+    if new_dims < 0 or not kept or any(s != 1 for s in size[:new_dims]):
+        return aten.expand.default(x, size, implicit=implicit)
+    if new_dims == 0:
+        return aten.alias.default(x)
+    return aten.view.default(x, [1] * new_dims + list(x.shape))
+
+
 def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
-    flat = functional_tensor_scalars(host_factories(flat_module(gm)))
+    flat = exact_expands(functional_tensor_scalars(host_factories(flat_module(gm))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 
