@@ -212,6 +212,36 @@ def functional_tensor_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+_MUL_BY_SCALARS_INPLACE = (aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList)
+
+
+def rounded_foreach_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with each in-place `_foreach_mul_` by numbers spelled out per tensor, rounding
+    the number to a 16-bit tensor's dtype first, as CPU's in-place kernel does.
+
+    CPU's `_foreach_mul_(bf16 list, 0.9)` multiplies by bfloat16(0.9), while its functional
+    `_foreach_mul` and `mul` (what functionalization would make of it) multiply by 0.9 in float32:
+    one ulp apart in a third of the elements, enough to drift SGD momentum off CPU from step 2."""
+    if not any(node.target in _MUL_BY_SCALARS_INPLACE for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.target in _MUL_BY_SCALARS_INPLACE:
+            node.target = _foreach_mul_rounding_scalars
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _foreach_mul_rounding_scalars(tensors, scalars) -> None:
+    scalars = scalars if isinstance(scalars, (list, tuple)) else [scalars] * len(tensors)
+    for tensor, scalar in zip(tensors, scalars):
+        if tensor.dtype in _SIXTEEN_BIT:
+            # a 0-dim tensor of the dtype holds the number rounded as the kernel rounds it
+            aten.mul_.Tensor(tensor, aten.full.default([], scalar, dtype=tensor.dtype, device=tensor.device))
+        else:
+            aten.mul_.Scalar(tensor, scalar)
+
+
 def exact_expands(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The graph with every `expand` that broadcasts nothing made an `alias` or `view` (traced
     through `_expand_exactly`, which sees the input's shape).
@@ -241,7 +271,7 @@ def _expand_exactly(x: torch.Tensor, size, implicit: bool = False) -> torch.Tens
 
 
 def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
-    flat = exact_expands(functional_tensor_scalars(host_factories(flat_module(gm))))
+    flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(host_factories(flat_module(gm)))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 
