@@ -41,8 +41,14 @@ def execute(func, args, kwargs):
     return run(func, args, kwargs)
 
 
+# Host results a device buffer cannot stand for, and what the device makes instead: autograd's
+# zero gradients (sgn's, say) are ZeroTensors, which have no memory for a wrapper to hold.
+_MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
+
+
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
+    func = _MATERIALIZED.get(func, func)
     composite = COMPOSITES.get(func)
     if composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
         return composite(*args, **kwargs)
@@ -68,6 +74,7 @@ def run(func, args, kwargs):
 
 def run_host(func, host_args, host_kwargs):
     """Run one aten op on host buffers and charge it as one kernel: the lazy engine's replay."""
+    func = _MATERIALIZED.get(func, func)
     plan = plan_of(func)
     try:
         out = func(*host_args, **host_kwargs)
