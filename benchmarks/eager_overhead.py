@@ -8,8 +8,10 @@ turn, medians over the rounds), because these machines are shared and noisy:
 (b) the step time of a small MLP training step (Linear 64-128-10, batch 32, cross-entropy, SGD)
     on neuron vs on CPU, and their ratio.
 
-Targets from the device issue: at most ~12 us/op added over plain CPU eager, MLP step at most
-3x plain CPU. Run `python benchmarks/eager_overhead.py` (or `--quick` for a smoke test).
+Targets: at most 10 us/op added over plain CPU eager (issue 14), MLP step at most 3x plain CPU.
+Run `python benchmarks/eager_overhead.py` (or `--quick` for a smoke test). `--clock cpu` times
+the CPU this process uses instead of the wall clock: on a machine shared with other busy
+processes, wall time mostly measures their load.
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ import torch
 
 import tilewise  # noqa: F401  registers the neuron device
 
-ADDED_US_TARGET = 12.0
+ADDED_US_TARGET = 10.0
+# time.perf_counter: wall time; time.process_time: CPU time of all this process's threads (the
+# autograd engine runs a device's backward on a thread of its own).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
 MLP_RATIO_TARGET = 3.0
 
 
@@ -30,10 +36,10 @@ def add_loop(device: str, ops: int):
     b = torch.randn(8, device=device)
 
     def run() -> float:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(ops):
             a + b
-        return (time.perf_counter() - start) / ops
+        return (clock() - start) / ops
 
     for _ in range(100):  # warm up: op plans, allocator caches
         a + b
@@ -54,10 +60,10 @@ def mlp_steps(device: str, steps: int):
         opt.step()
 
     def run() -> float:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(steps):
             step()
-        return (time.perf_counter() - start) / steps
+        return (clock() - start) / steps
 
     step()  # warm up: optimizer state, autograd graph caches, op plans
     return run
@@ -76,7 +82,10 @@ def interleaved(contenders: dict, rounds: int) -> dict[str, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not a measurement")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="what to time (see the module doc)")
     args = parser.parse_args(argv)
+    global clock
+    clock = CLOCKS[args.clock]
     ops, rounds, steps = (200, 3, 5) if args.quick else (2000, 15, 50)
 
     adds = interleaved({"cpu": add_loop("cpu", ops), "neuron": add_loop("neuron", ops)}, rounds)
@@ -90,7 +99,7 @@ def main(argv=None) -> int:
         ("MLP step 64-128-10 b32 SGD, us", mlp["cpu"] * 1e6, mlp["neuron"] * 1e6,
          f"{ratio:.2f}x", f"<= {MLP_RATIO_TARGET:.0f}x", ratio <= MLP_RATIO_TARGET),
     ]
-    print(f"tilewise eager overhead ({'quick, ' if args.quick else ''}{rounds} interleaved rounds, medians; "
+    print(f"tilewise eager overhead ({'quick, ' if args.quick else ''}{args.clock} clock, {rounds} interleaved rounds, medians; "
           f"{ops} adds/round, {steps} MLP steps/round; torch {torch.__version__})")
     header = f"{'benchmark':<32} {'cpu':>10} {'neuron':>10} {'overhead':>14} {'target':>14}  met"
     print(header)

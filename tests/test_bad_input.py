@@ -25,12 +25,14 @@ BAD_VALUES = {
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
+    "cores": [0, -2, 1.5, "8", float("nan")],
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
            "cache_key_file": "file path",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
-           "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0"}
+           "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
+           "cores": ">= 1"}
 
 
 def test_every_setting_has_bad_values_listed():
@@ -104,20 +106,24 @@ def test_sync_stats_and_reset_take_no_arguments():
     assert "tilewise statistics" in tilewise.stats().report()
 
 
-@pytest.mark.parametrize("device", ["neuron:1", 1, -1, "cuda", "cpu", "bogus", torch.device("cpu"), 1.0, True, [0]])
+@pytest.mark.parametrize("device", ["neuron:8", 8, -1, "cuda", "cpu", "bogus", torch.device("cpu"), 1.0, True, [0]])
 @pytest.mark.parametrize("fn", ["set_device", "synchronize", "memory_allocated", "max_memory_allocated",
                                 "memory_stats", "reset_peak_memory_stats", "get_rng_state"])
 def test_torch_neuron_functions_reject_other_devices(fn, device):
-    with pytest.raises(tilewise.DeviceError, match="neuron:0|'neuron'"):
+    if fn == "set_device" and device == -1:
+        pytest.skip("torch.cuda.set_device ignores a negative index; so does torch.neuron's")
+    with pytest.raises(tilewise.DeviceError, match="neuron:8|neuron:-1|'neuron'"):
         getattr(torch.neuron, fn)(device)
 
 
-@pytest.mark.parametrize("device", [None, 0, "neuron", "neuron:0", torch.device("neuron", 0)])
+@pytest.mark.parametrize("device", [None, 0, "neuron", "neuron:0", torch.device("neuron", 0), 3, "neuron:7"])
 def test_torch_neuron_functions_accept_the_device(device):
-    torch.neuron.set_device(device)
-    torch.neuron.synchronize(device)
-    assert torch.neuron.memory_allocated(device) == torch.neuron.memory_stats(device)["allocated_bytes.all.current"]
-    torch.neuron.set_rng_state(torch.neuron.get_rng_state(device), device)
+    with torch.neuron.device(0):  # set_device changes this thread's current device: restored after
+        torch.neuron.set_device(device)
+        torch.neuron.synchronize(device)
+        assert torch.neuron.memory_allocated(device) == torch.neuron.memory_stats(device)["allocated_bytes.all.current"]
+        torch.neuron.set_rng_state(torch.neuron.get_rng_state(device), device)
+    assert torch.neuron.current_device() == 0
 
 
 def test_torch_neuron_seed_and_state_reject_bad_values():
@@ -125,8 +131,8 @@ def test_torch_neuron_seed_and_state_reject_bad_values():
         torch.neuron.manual_seed("seven")
     with pytest.raises(TypeError, match="ByteTensor"):
         torch.neuron.set_rng_state(torch.zeros(3))
-    with pytest.raises(tilewise.DeviceError, match="invalid device ordinal neuron:1"):
-        torch.randn(3, device="neuron:1")
+    with pytest.raises(tilewise.DeviceError, match="invalid device ordinal neuron:8"):
+        torch.randn(3, device="neuron:8")
 
 
 @pytest.mark.parametrize("name", ["trn1", "", "TRN2 ", None, 2])

@@ -183,7 +183,7 @@ def test_load_state_dict_into_a_neuron_model_then_train_matches_cpu(mode, built_
 def test_loading_onto_a_missing_device_ordinal_is_a_clear_error(tmp_path):
     torch.save(torch.ones(2, device="neuron"), tmp_path / "t.pt")
     with pytest.raises(tilewise.errors.DeviceError, match="invalid device ordinal"):
-        torch.load(tmp_path / "t.pt", map_location={"neuron:0": "neuron:1"})
+        torch.load(tmp_path / "t.pt", map_location={"neuron:0": "neuron:8"})
 
 
 # ---- item 3: Module.to / .half / memory formats, with live outputs and inside lazy blocks ------
@@ -292,17 +292,17 @@ def test_random_factories_drawing_from_a_cpu_generator_match_cpu(mode):
 
 
 _MISSING_ORDINAL = {
-    "factory": lambda: torch.ones(3, device="neuron:1"),
-    "random factory": lambda: torch.randn(3, device="neuron:1"),
-    "transfer": lambda: torch.ones(3).to("neuron:1"),
-    "from data": lambda: torch.tensor([1.0], device="neuron:1"),
+    "factory": lambda: torch.ones(3, device="neuron:8"),
+    "random factory": lambda: torch.randn(3, device="neuron:8"),
+    "transfer": lambda: torch.ones(3).to("neuron:8"),
+    "from data": lambda: torch.tensor([1.0], device="neuron:8"),
 }
 
 
 @pytest.mark.parametrize("mode", [None, *MODES])
 @pytest.mark.parametrize("case", sorted(_MISSING_ORDINAL))
 def test_a_missing_device_ordinal_raises_the_same_error_in_every_mode(mode, case):
-    expected = r"invalid device ordinal neuron:1 \(torch.neuron.device_count\(\) == 1\)"
+    expected = r"invalid device ordinal neuron:8 \(torch.neuron.device_count\(\) == 8\)"
     with pytest.raises(tilewise.DeviceError, match=expected):
         if mode is None:
             _MISSING_ORDINAL[case]()

@@ -1,5 +1,5 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
-from . import device, eager
+from . import device, distributed, eager
 from .adaptive import engine, explain, reset_caches, stats, sync
 from .config import config
 from .device import DEVICE, DeviceSpec

@@ -43,6 +43,11 @@ def _int_at_least(low: int) -> Callable[[str, Any], int]:
     return check
 
 
+def _optional_cores(name: str, value: Any) -> int | None:
+    """None: the DeviceSpec's cores per chip; else a whole number of cores >= 1."""
+    return None if value is None else _int_at_least(1)(name, value)
+
+
 def _optional_path(name: str, value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -81,6 +86,7 @@ class Setting:
     env: str | None
     check: Callable[[str, Any], Any]
     doc: str
+    number: bool = False  # read from the environment as a number even though the default is not one
 
 
 SETTINGS: dict[str, Setting] = {
@@ -90,6 +96,9 @@ SETTINGS: dict[str, Setting] = {
                          "flushes a region must be seen in before adaptive mode compiles it"),
     "device": Setting("trn2", "TILEWISE_DEVICE", _choice(DEVICES),
                       "DeviceSpec preset the simulated NeuronCore follows"),
+    "cores": Setting(None, "TILEWISE_CORES", _optional_cores,
+                     "NeuronCores in this process (neuron:0 ... neuron:N-1); unset: the DeviceSpec's cores per chip",
+                     number=True),
     "cache_dir": Setting(None, "TILEWISE_CACHE_DIR", _optional_path,
                          "directory for compiled kernels shared across processes; unset: memory only"),
     "cache_key_file": Setting(_default_key_file(), "TILEWISE_CACHE_KEY_FILE", _key_file,
@@ -123,7 +132,7 @@ class _Config:
         raw = os.environ.get(setting.env) if setting.env else None
         if raw is None or raw == "":
             return setting.default
-        if isinstance(setting.default, int):  # a number setting: its text as a number
+        if isinstance(setting.default, int) or setting.number:  # a number setting: its text as a number
             raw = _number_from_environment(raw)
         return setting.check(setting.env, raw)
 

@@ -9,8 +9,7 @@ from torch import nn
 
 import tilewise
 
-from .helpers import MODES, assert_same_training, train, xfail_modes
-from .known_failures import CHECKPOINT_MAP_LOCATION_NEURON
+from .helpers import MODES, assert_same_training, train
 
 NEURON = torch.device("neuron", 0)
 
@@ -90,7 +89,7 @@ def test_neuron_checkpoint_loads_onto_cpu(location, mode):
         torch.testing.assert_close(loaded["model"][name], value.cpu(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", xfail_modes(dict.fromkeys(MODES, CHECKPOINT_MAP_LOCATION_NEURON)))
+@pytest.mark.parametrize("mode", MODES)
 def test_cpu_checkpoint_loads_onto_neuron(mode):
     model, checkpoint = _trained_checkpoint(_model())
     with tilewise.engine(mode=mode):

@@ -8,6 +8,8 @@ left between them are then ordered by a topological sort of the contracted graph
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import networkx as nx
 
 from .segment import FUNCTIONAL, VIEW, Node
@@ -90,17 +92,31 @@ def _first_escape(graph: nx.DiGraph, component: list[int]) -> int | None:
     return between[0] if between else None
 
 
-def execution_order(graph: nx.DiGraph, regions: list[list[int]], count: int) -> list[tuple[str, object]]:
-    """Steps in a valid order: ("region", region index) or ("node", node index)."""
-    group_of = {n: ("region", r) for r, region in enumerate(regions) for n in region}
+# Frozen dataclasses, not NamedTuples: a NodeStep(0) must not equal a RegionGroup(0) in the graph.
+@dataclass(frozen=True, slots=True)
+class NodeStep:
+    """A plan step: run one node of the segment eagerly (a view: nothing, it was taken already)."""
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegionGroup:
+    """A step of the execution order: the region at this index of the regions found."""
+    index: int
+
+
+def execution_order(graph: nx.DiGraph, regions: list[list[int]], count: int) -> list[NodeStep | RegionGroup]:
+    """Every node outside a region and every region, each once, in a valid order: a node's
+    producers come first; ties go to the group whose first node comes first in the stream."""
+    group_of = {n: RegionGroup(r) for r, region in enumerate(regions) for n in region}
     first = {}
     contracted = nx.DiGraph()
     for n in range(count):
-        group = group_of.get(n, ("node", n))
+        group = group_of.get(n) or NodeStep(n)
         first.setdefault(group, n)
         contracted.add_node(group)
-    contracted.add_edges_from((group_of.get(u, ("node", u)), group_of.get(v, ("node", v)))
-                              for u, v in graph.edges if group_of.get(u, ("node", u)) != group_of.get(v, ("node", v)))
+    contracted.add_edges_from((group_of.get(u) or NodeStep(u), group_of.get(v) or NodeStep(v))
+                              for u, v in graph.edges if group_of.get(u, u) != group_of.get(v, v))
     return list(nx.lexicographical_topological_sort(contracted, key=lambda g: first[g]))
 
 

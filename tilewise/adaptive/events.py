@@ -1,17 +1,65 @@
-"""What the runtime tells its observers (the explorer) and the timeline's host lanes about a flush."""
+"""The engine's event stream, and the host lanes of the timeline.
+
+What the runtime does at a flush is published once, as typed events, to whoever subscribed:
+`stats()` folds compiles into its counters, the explorer keeps segments and compiles for its report.
+A segment event is built only while someone subscribes to it (it costs a walk of the segment).
+"""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from ..device.runtime import DEVICE
 from . import analysis
+from .regions import RegionStep
 from .segment import Segment
 
 
-def segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) -> dict:
+@dataclass(frozen=True)
+class SegmentRan:
+    """A flushed segment: its op graph, which nodes were stable and the region each ran in."""
+    segment: int
+    nodes: list
+    edges: list
+    host_time: float
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class RegionCompiled:
+    region: str
+    segment: int
+    ops: int
+    host_start: float
+    seconds: float
+    kernels: int
+    refused: list = field(default_factory=list)   # (what, why) of fusions the compiler refused
+
+
+class EventStream:
+    """Subscribers per event type; `wants` tells the publisher whether an event is worth building."""
+
+    def __init__(self):
+        self._subscribers: dict[type, list] = {SegmentRan: [], RegionCompiled: []}
+
+    def subscribe(self, kind: type, callback) -> None:
+        self._subscribers[kind].append(callback)
+
+    def unsubscribe(self, kind: type, callback) -> None:
+        self._subscribers[kind].remove(callback)
+
+    def wants(self, kind: type) -> bool:
+        return bool(self._subscribers[kind])
+
+    def publish(self, event) -> None:
+        for callback in list(self._subscribers[type(event)]):
+            callback(event)
+
+
+def segment_event(number: int, segment: Segment, graph, stable: set, steps, dynamic: bool,
+                  replayed: bool = False) -> SegmentRan:
     """What the explorer draws: the segment's op graph, stable nodes and the regions they ran in."""
-    region_of = {n: entry.name for kind, what in steps if kind == "region"
-                 for region, entry in [what] for n in region.nodes}
+    region_of = {n: step.entry.name for step in steps if isinstance(step, RegionStep) for n in step.region.nodes}
     nodes = [{"index": i, "op": n.plan.name, "kind": n.kind, "stable": i in stable,
               "region": region_of.get(i),
               "why_eager": None if i in region_of else
@@ -19,8 +67,7 @@ def segment_event(segment: Segment, graph, stable: set, steps, dynamic: bool) ->
                "warming up" if i not in stable else "region not compiled"),
               "shapes": [list(o.shape) for o in (n.outs or ()) if o is not None]}
              for i, n in enumerate(segment.nodes)]
-    return {"kind": "segment", "host_time": time.perf_counter(), "nodes": nodes,
-            "edges": [list(edge) for edge in graph.edges]}
+    return SegmentRan(number, nodes, [list(edge) for edge in graph.edges], time.perf_counter(), replayed)
 
 
 def host_spans(number: int, reason: str, ops: int, traced_from: float, started: float, clock: float) -> None:
@@ -31,9 +78,8 @@ def host_spans(number: int, reason: str, ops: int, traced_from: float, started: 
                   simulated_us=[clock * 1e6, timeline.clock * 1e6])
 
 
-def replay_event(segment: Segment, steps, dynamic: bool) -> dict:
-    """The segment event of a cached plan's replay (built only while someone observes)."""
-    in_regions = {n for kind, what in steps if kind == "region" for n in what[0].nodes}
-    event = segment_event(segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic)
-    event["replayed"] = True
-    return event
+def replay_event(number: int, segment: Segment, steps, dynamic: bool) -> SegmentRan:
+    """The segment event of a cached plan's replay."""
+    in_regions = {n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes}
+    return segment_event(number, segment, analysis.dataflow_graph(segment.nodes), in_regions, steps, dynamic,
+                         replayed=True)

@@ -10,7 +10,7 @@
     Floats seen to change at their site become region inputs, so a schedule compiles once more,
     not every step; compiled mode stops recompiling a region site after `recompile_limit`
     signatures. Whatever does not compile runs eagerly with a typed reason, counted in stats():
-    warming up, dynamic, or one of `Why` below.
+    warming up, dynamic, or another `Why` (tilewise/reasons.py).
 
 This module is pure: the runtime asks it, it decides from counts it is given.
 """
@@ -20,6 +20,8 @@ import enum
 from typing import NamedTuple
 
 import torch
+
+from ..reasons import Reason, Why
 
 
 class Mode(str, enum.Enum):
@@ -31,38 +33,6 @@ class Mode(str, enum.Enum):
         return self.value
 
     __format__ = str.__format__
-
-
-class Why(enum.Enum):
-    """Why something ran eagerly. Transfers are no fallback: moving data is what they are for."""
-    WARMING_UP = "warming up"
-    DYNAMIC = "dynamic: its input shapes or constants change"
-    NOT_RECURRED = "waiting: the region has not recurred yet"
-    DATA_DEPENDENT_SHAPE = "data-dependent output shape"
-    RANDOM = "random op reads pending data"
-    UNRECORDABLE = "cannot be deferred"
-    MIXED_DTYPE_VIEWS = "writes a storage its inputs view in different dtypes"
-    RECOMPILE_LIMIT = "recompile limit"
-    COMPILE_FAILED = "compile failed"
-    READS_DEVICE_DATA = "reads device data on the host"
-    COPY_TO_HOST = "copy to host"
-    HOST_TENSOR = "host tensor argument"
-
-    @property
-    def is_transfer(self) -> bool:
-        return self in _TRANSFERS
-
-
-_TRANSFERS = frozenset({Why.READS_DEVICE_DATA, Why.COPY_TO_HOST, Why.HOST_TENSOR})
-
-
-class Reason(NamedTuple):
-    """A typed reason, as the compiler's refusals are: `why` is stable for counting."""
-    why: Why
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.why.value}: {self.detail}" if self.detail else self.why.value
 
 
 class Verdict(enum.Enum):

@@ -218,16 +218,23 @@ class CompiledEntry:
         self.compile_seconds = compile_seconds
         self.runs = 0
         self.kernels = len(compiled.cost)
-        self.seconds = sum(cost[2] for cost in compiled.cost)
+        self.seconds = sum(launch.seconds for launch in compiled.cost)
 
     def run(self, segment: Segment, region: Region) -> None:
         results = self.compiled.run(*region.arguments(segment))
         for (n, o), value in zip(region.outputs, results):
             store(segment.nodes[n].outs[o], value)
-        record = DEVICE.timeline.record
-        for kernel_name, engine, seconds, hbm_bytes, flops in self.compiled.cost:
-            record(kernel_name, engine, seconds, hbm_bytes, flops, self.name)
+        record = DEVICE.cores[segment.core].timeline.record
+        for launch in self.compiled.cost:
+            record(*launch, self.name)
         self.runs += 1
+
+
+@dataclass(frozen=True, slots=True)
+class RegionStep:
+    """A plan step: run this region's compiled form on the segment's buffers."""
+    region: Region
+    entry: CompiledEntry
 
 
 def needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
@@ -236,7 +243,7 @@ def needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
     needed = set()
     for index, node in enumerate(segment.nodes):
         for source in node.srcs:
-            if group.get(source[0], ("node", source[0])) != group.get(index, ("node", index)):
+            if group.get(source[0], ~source[0]) != group.get(index, ~index):  # ~n: n's own group
                 needed.add(root_of(segment, source))
         for out_index, ref in enumerate(node.wrappers or ()):
             if ref() is not None:

@@ -21,22 +21,24 @@ import torch
 
 from ..config import config
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor
+from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import check_device, execute, run, run_host
 from ..eager.plan import is_random, plan_of
 from ..errors import TilewiseError
 from . import analysis, events, interrupts, scalars
 from .caches import BoundedCache, CacheSize
-from .regions import (CompiledEntry, Region, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
+from .analysis import NodeStep
+from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
                       needed_values, store)
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
 from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, fill_failed, without_floats
-from .stats import RegionStats, Stats
+from .stats import Stats
 
 aten = torch.ops.aten
 _FAILED = "failed"
 ENGINE_EXITED = "engine exited"
+CORE_CHANGE = "an op on another NeuronCore"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
@@ -51,8 +53,8 @@ class Runtime:
         self._flushing = False
         self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
-        # Callables given a dict per analysed segment and per compile (the explorer listens here).
-        self.observers: list = []
+        self.events = events.EventStream()  # stats() and the explorer subscribe
+        self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
         self.reset_caches()
@@ -108,7 +110,7 @@ class Runtime:
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = (runs_now(func), is_random(func))
-            reason = info[0] or copies_to_host(kwargs)
+            reason = info[0] or copies_to_host(kwargs) or self._enter_core(args, kwargs)
             if reason is None and info[1] and draws_random(func, args):
                 return self._random(func, args, kwargs)
             if reason is None:
@@ -135,6 +137,26 @@ class Runtime:
             finally:
                 DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
                                      reason=str(reason))
+
+    def _enter_core(self, args, kwargs) -> Reason | None:
+        """Keep a segment on one core: an op on another core flushes the segment first and starts
+        a new one there; an op on two cores (a transfer, or PyTorch's same-device error) runs
+        eagerly."""
+        cores = _cores_of(args, set())
+        if kwargs:
+            _cores_of(kwargs.values(), cores)  # out=, and tensors passed by name
+            device = kwargs.get("device")
+            if device is not None and names_neuron(device):
+                cores.add(check_device(device).index)
+        if len(cores) > 1:
+            return Reason(Why.BETWEEN_CORES)
+        core = cores.pop() if cores else DEVICE.current_index()
+        if core != self.segment.core:
+            self.flush(CORE_CHANGE)
+            if self.segment.nodes:  # not flushed (a flush is under way): this op runs eagerly
+                return Reason(Why.BETWEEN_CORES)
+            self.segment.core = core
+        return None
 
     def _random(self, func, args, kwargs):
         """Random ops draw now, in eager's order; what they read must be computed already."""
@@ -205,7 +227,7 @@ class Runtime:
         try:
             steps = self._steps_for(segment)
         except Exception:  # a bug of the engine's own: surface it, with every value computed
-            self._run_tolerant(segment, [("node", i) for i in range(len(segment.nodes))])
+            self._run_tolerant(segment, _every_node(segment))
             raise
         self._run_steps(segment, steps)
 
@@ -227,18 +249,18 @@ class Runtime:
                 dynamic = cache is self.dynamic_plans
                 if dynamic:
                     self._count_dynamic_steps(segment, steps)
-                if self.observers:
-                    self._notify(events.replay_event(segment, steps, dynamic))
+                if self.events.wants(events.SegmentRan):
+                    self.events.publish(events.replay_event(self.stats.segments, segment, steps, dynamic))
                 return steps
             self._forget(cache, key, segment, steps, missed)
-            return [("node", i) for i in range(len(segment.nodes))]
+            return _every_node(segment)
         steps, final, reusable = self._plan(segment)
         if final:
             self.plans.put((locals_, alias), steps)
         elif reusable:
             # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
             # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
-            members = tuple(n for kind, what in steps if kind == "region" for n in what[0].nodes)
+            members = tuple(n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes)
             self.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
         return steps
 
@@ -250,9 +272,9 @@ class Runtime:
         return steps if tuple(locals_[n] for n in members) == member_locals else None
 
     def _count_dynamic_steps(self, segment: Segment, steps) -> None:
-        for kind, what in steps:
-            if kind == "node":
-                self._count_dynamic(segment.nodes[what], True)
+        for step in steps:
+            if isinstance(step, NodeStep):
+                self._count_dynamic(segment.nodes[step.index], True)
 
     def _plan(self, segment: Segment):
         nodes = segment.nodes
@@ -275,32 +297,28 @@ class Runtime:
         # a region may still grow while its neighbours warm up; the block's last segment has
         # nothing after it in this block to reuse a compile: either way, compile what recurs
         settling = not dynamic and not final or self._ending
-        for kind, what in order:
-            if kind == "node":
-                steps.append(("node", what))
+        for step in order:
+            if isinstance(step, NodeStep):
+                steps.append(step)
                 if compiling:
-                    self._count_dynamic(nodes[what], dynamic)
+                    self._count_dynamic(nodes[step.index], dynamic)
                 continue
-            region = describe(segment, members[what], needed)
+            region = describe(segment, members[step.index], needed)
             entry = self._entry(segment, region, settling)
             if entry is None:
                 final = compiled_all = False
-                steps.extend(("node", i) for i in region.nodes)
+                steps.extend(NodeStep(i) for i in region.nodes)
             else:
-                steps.append(("region", (region, entry)))
+                steps.append(RegionStep(region, entry))
         self.stats.regions_found += len(members)
-        if self.observers:
-            self._notify(events.segment_event(segment, graph, stable, steps, dynamic))
+        if self.events.wants(events.SegmentRan):
+            self.events.publish(events.segment_event(self.stats.segments, segment, graph, stable, steps, dynamic))
         # Reusable without analysis while only floats change: every eager node has floats or reads
         # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
         # lengths does) and must be analysed again, to compile when it has become stable.
-        floats_only = all(floating[what] or nodes[what].kind == VIEW for kind, what in steps if kind == "node")
+        floats_only = all(floating[step.index] or nodes[step.index].kind == VIEW
+                          for step in steps if isinstance(step, NodeStep))
         return steps, final, dynamic and compiling and compiled_all and floats_only
-
-    def _notify(self, event: dict) -> None:
-        event["segment"] = self.stats.segments
-        for observer in list(self.observers):
-            observer(event)
 
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
@@ -359,24 +377,18 @@ class Runtime:
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         seconds = time.perf_counter() - started
         DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
-        if self.observers:
-            self._notify({"kind": "compile", "region": name, "ops": len(region.nodes), "host_start": started,
-                          "seconds": seconds, "kernels": len(compiled.cost),
-                          "refused": [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]})
         entry = CompiledEntry(compiled, region, seconds, name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions.put(region.key, entry)
-        self.stats.compiles += 1
-        self.stats.compile_seconds += seconds
-        self.stats.regions[name] = RegionStats(name, len(region.nodes), seconds,
-                                               refused=list(getattr(compiled, "refused", []))[:20])
+        self.events.publish(events.RegionCompiled(
+            name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
+            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]))
         return entry
 
     def _guard_miss(self, segment: Segment, steps) -> str | None:
-        for kind, what in steps:
-            if kind == "region":
-                region = what[0]
-                for n, o in region.hidden:
+        for step in steps:
+            if isinstance(step, RegionStep):
+                for n, o in step.region.hidden:
                     if segment.nodes[n].wrappers[o]() is not None:
                         return "an intermediate the kernel keeps on chip is still referenced"
         return None
@@ -385,9 +397,9 @@ class Runtime:
         """A guard missed: run eagerly this time and let the regions warm up again."""
         del cache[key]
         self.stats.guard_misses[reason] += 1
-        for kind, what in steps:
-            if kind == "region":
-                region, entry = what
+        for step in steps:
+            if isinstance(step, RegionStep):
+                region, entry = step.region, step.entry
                 self.regions.pop(region.key, None)
                 detail = self.stats.regions.get(entry.name)  # gone after a stats().reset()
                 if detail is not None:
@@ -415,23 +427,22 @@ class Runtime:
             try:
                 self._run_step(segment, step)
             except Exception:
-                if step[0] == "region":
+                if isinstance(step, RegionStep):
                     self._run_tolerant(segment, _node_steps(step))
                 else:
-                    fill_failed(segment.nodes[step[1]])
+                    fill_failed(segment.nodes[step.index])
             except BaseException:
                 self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
                 raise
 
-    def _run_step(self, segment: Segment, step) -> None:
-        kind, what = step
-        if kind == "node":
-            node = segment.nodes[what]
+    def _run_step(self, segment: Segment, step: NodeStep | RegionStep) -> None:
+        if isinstance(step, NodeStep):
+            node = segment.nodes[step.index]
             if node.kind != VIEW:  # a view was taken at record time: no op runs now
                 _replay(node)
                 self.stats.ops_eager += 1
             return
-        region, entry = what
+        region, entry = step.region, step.entry
         entry.run(segment, region)
         self.stats.ops_compiled += len(region.nodes)
         self.stats.cache_hits += entry.runs > 1
@@ -446,18 +457,22 @@ class Unfinished(NamedTuple):
     """Work of a flush not yet done: a whole segment (steps None: plan it first) or the steps
     left of its plan."""
     segment: Segment
-    steps: list | None
+    steps: list | None  # of NodeStep and RegionStep
 
 
-def _node_steps(step) -> list:
+def _node_steps(step: NodeStep | RegionStep) -> list[NodeStep]:
     """A step as eager node steps (a region's nodes one by one)."""
-    return [("node", n) for n in step[1][0].nodes] if step[0] == "region" else [step]
+    return [NodeStep(n) for n in step.region.nodes] if isinstance(step, RegionStep) else [step]
+
+
+def _every_node(segment: Segment) -> list[NodeStep]:
+    return [NodeStep(i) for i in range(len(segment.nodes))]
 
 
 def _replay(node) -> None:
     if node.kind == VIEW:
         return  # taken on the real buffers at record time
-    out = run_host(node.func, node.args, node.kwargs)
+    out = run_host(node.func, node.args, node.kwargs, node.core)
     if node.kind == FUNCTIONAL:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for buffer, value in zip(node.outs, outs):
@@ -480,6 +495,16 @@ def _flat(values):
             yield from _flat(value)
         else:
             yield value
+
+
+def _cores_of(values, cores: set) -> set:
+    """The cores of the device tensors among `values` (nested lists and tuples included)."""
+    for value in values:
+        if isinstance(value, NeuronTensor):
+            cores.add(value._core)
+        elif type(value) is list or type(value) is tuple:
+            _cores_of(value, cores)
+    return cores
 
 
 def _device_tensors(values):

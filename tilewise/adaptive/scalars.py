@@ -22,6 +22,7 @@ class How(enum.Enum):
     TENSOR_ARG = "a Tensor argument given a number: the same number as a 0-dim tensor"
     TENSOR_OVERLOAD = "a Scalar argument of an overload with a Tensor twin: the twin, given a tensor"
     SCALE_OTHER = "alpha of add/sub: the other operand multiplied by it"
+    LIST_OVERLOAD = "the weight of _foreach_lerp: the List overload, given the tensor once per element"
 
 
 class Lift(NamedTuple):
@@ -37,6 +38,11 @@ _SCALED_BY_ALPHA = {name: mul for names, mul in (
     (("_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_"), aten._foreach_mul.Tensor),
 ) for name in names}
 _TWINS = {"Scalar": "Tensor", "Tensor_Scalar": "Tensor_Tensor"}
+# Scalar overloads with no Tensor twin whose List overload takes a tensor per element instead (Adam's
+# `_foreach_lerp_(exp_avgs, grads, 1 - beta1)`, whose beta1 a OneCycleLR schedule changes every
+# step; an EMA update). Bitwise equal to the Scalar kernel in float32 and float64 only: in 16 bits
+# CPU's two kernels round the weight differently, so there the weight stays a constant.
+_LIST_TWINS = {aten._foreach_lerp_.Scalar: aten._foreach_lerp_.List, aten._foreach_lerp.Scalar: aten._foreach_lerp.List}
 
 
 def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
@@ -56,7 +62,7 @@ def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
     lifts = []
     for position, argument in found:
         how = _how(func, argument, twin)
-        if how is None or how is How.SCALE_OTHER and not _wide(inputs):
+        if how is None or how in (How.SCALE_OTHER, How.LIST_OVERLOAD) and not _wide(inputs):
             return None
         lifts.append(Lift(position, how, dtype))
     return tuple(lifts)
@@ -110,6 +116,8 @@ def _how(func, argument, twin) -> How | None:
     index = func._schema.arguments.index(argument)
     if twin is not None and isinstance(twin._schema.arguments[index].type, torch.TensorType):
         return How.TENSOR_OVERLOAD
+    if func in _LIST_TWINS and argument.name == "weight":
+        return How.LIST_OVERLOAD
     return None
 
 
@@ -135,10 +143,14 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
             _pop(args, kwargs, lift.position)
             other = graph.call_function(_SCALED_BY_ALPHA[func._overloadpacket.__name__], (args[1], scalar))
             args[1] = other
+        elif lift.how is How.LIST_OVERLOAD:
+            _put(args, kwargs, lift.position, [scalar] * len(args[0]))
         else:
             _put(args, kwargs, lift.position, scalar)
     if any(lift.how is How.TENSOR_OVERLOAD for lift in lifts):
         func = twin_of(func)
+    elif any(lift.how is How.LIST_OVERLOAD for lift in lifts):
+        func = _LIST_TWINS[func]
     return graph.call_function(func, tuple(args), kwargs)
 
 

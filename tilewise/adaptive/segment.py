@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..device.tensor import NeuronTensor, names_neuron, wrap
+from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh
 from ..eager.plan import OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
@@ -52,14 +52,17 @@ def _held(wrapped: NeuronTensor) -> weakref.ref:
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts")
+                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts", "core")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
 
 
 class Segment:
-    def __init__(self):
+    def __init__(self, core: int = 0):
+        # the NeuronCore every op of the segment runs on (a segment never mixes cores: the
+        # runtime flushes before an op on another core); its outputs are that core's tensors
+        self.core = core
         self.nodes: list[Node] = []
         # id(host tensor) -> (node index, output index, fingerprint); host tensors of nodes are
         # kept alive by the nodes, so ids are stable for the life of the segment.
@@ -94,7 +97,7 @@ class Segment:
     def _record(self, func, args, kwargs, meta_cache, scalar_sites):
         plan = plan_of(func)
         node = Node()
-        node.func, node.plan = func, plan
+        node.func, node.plan, node.core = func, plan, self.core
         node.srcs = []   # (segment node index, output index) of in-segment inputs
         node.floats = False  # has float constants (which may change from flush to flush)
         # Every host tensor the op reads, flattened in argument order. Python scalars are
@@ -106,9 +109,9 @@ class Segment:
         descr: list = []
         node.args = self._host(args, descr, node, producer_fps)
         kw_descr: list = []
-        node.kwargs = {k: self._host_one(v, kw_descr, node, producer_fps) for k, v in kwargs.items()} \
+        node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps))) \
             if kwargs else {}
-        if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
+        if kwargs and names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
             node.kwargs["device"] = torch.device("cpu")
         node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
             (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
@@ -134,31 +137,37 @@ class Segment:
 
     # -- inputs --------------------------------------------------------------------------------
     def _host(self, seq, descr: list, node: Node, producer_fps: list) -> list:
-        return [self._host_one(arg, descr, node, producer_fps) for arg in seq]
-
-    def _host_one(self, arg, descr: list, node: Node, producer_fps: list):
-        if isinstance(arg, NeuronTensor):
-            data = arg._data
-            node.inputs.append(data)
-            key = id(data)
-            source = self._values.get(key)
-            if source is None:
-                ext = self._external_ids.get(key)
-                if ext is None:
-                    ext = self._external_ids[key] = (len(self.externals), _metadata(data) + (EXTERNAL,))
-                    self.externals.append(data)
-                node.ext.append(ext[0])
-                descr.append(ext[1])
+        """The host values of a sequence of arguments, describing each into `descr`. Device tensors,
+        the common case, are handled inline: this runs for every argument of every recorded op."""
+        host = []
+        for arg in seq:
+            if type(arg) is NeuronTensor or isinstance(arg, NeuronTensor):
+                data = arg._data
+                node.inputs.append(data)
+                key = id(data)
+                source = self._values.get(key)
+                if source is not None:  # an output of this segment
+                    node.srcs.append(source[:2])
+                    producer_fps.append(source[2])
+                    descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
+                else:
+                    ext = self._external_ids.get(key)
+                    if ext is None:
+                        ext = self._external_ids[key] = (len(self.externals), _metadata(data) + (EXTERNAL,))
+                        self.externals.append(data)
+                    node.ext.append(ext[0])
+                    descr.append(ext[1])
+                host.append(data)
+            elif type(arg) is list or type(arg) is tuple:
+                inner: list = []
+                host.append(self._host(arg, inner, node, producer_fps))
+                descr.append(tuple(inner))
             else:
-                node.srcs.append(source[:2])
-                producer_fps.append(source[2])
-                descr.append(source[3] + ((len(self.nodes) - source[0], source[1]),))
-            return data
-        if type(arg) is list or type(arg) is tuple:
-            inner: list = []
-            host = [self._host_one(a, inner, node, producer_fps) for a in arg]
-            descr.append(tuple(inner))
-            return host
+                host.append(self._host_value(arg, descr, node))
+        return host
+
+    def _host_value(self, arg, descr: list, node: Node):
+        """An argument that is not on the device: a CPU scalar tensor or a Python constant."""
         if isinstance(arg, torch.Tensor):
             scalars = getattr(arg, "tilewise_scalars", False)  # numbers the runtime lifted (runtime._LIFTED)
             if arg.device.type != "cpu" or arg.dim() != 0 and not scalars:
@@ -195,7 +204,7 @@ class Segment:
             outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
             node.outs = tuple(outs)
             node.out_meta = [_metadata(o) for o in outs]
-            wrapped = [wrap(o) for o in outs]
+            wrapped = [wrap(o, self.core) for o in outs]
             node.wrappers = tuple(_held(w) for w in wrapped)
             node.roots = tuple(self._root_of(node) for _ in outs)
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
@@ -215,11 +224,11 @@ class Segment:
             shape, stride, dtype = outputs[0]
             buffer = torch.empty_strided(shape, stride, dtype=dtype)
             node.outs = (buffer,)
-            wrapped = wrap(buffer)
+            wrapped = wrap_fresh(buffer, shape, stride, dtype, self.core)
             node.wrappers = (_held(wrapped),)
             return wrapped
         node.outs = tuple(None if out is None else torch.empty_strided(*out[:2], dtype=out[2]) for out in outputs)
-        wrapped = [None if b is None else wrap(b) for b in node.outs]
+        wrapped = [None if b is None else wrap_fresh(b, *out, self.core) for b, out in zip(node.outs, outputs)]
         node.wrappers = tuple(_NOTHING if w is None else _held(w) for w in wrapped)
         return tuple(wrapped)
 

@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 
 from ..device.runtime import DEVICE
+from ..distributed.cost import COUNTERS as COLLECTIVES
+from ..distributed.cost import CollectiveTotals
 from ..eager.executor import counters as eager_counters
 
 _PACKAGE_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -51,7 +53,14 @@ class Stats:
         self.fallback_sources: dict = {}                                 # (op, reason) -> "file:line"
         self.flush_reasons: collections.Counter = collections.Counter()
         self.regions: dict[str, RegionStats] = {}
-        self._device_start = (DEVICE.timeline.clock, DEVICE.timeline.hbm_bytes, DEVICE.timeline.kernels)
+        self._device_start = DEVICE.busy()  # summed over the NeuronCores
+        self._collectives_start = COLLECTIVES.snapshot()
+
+    def on_compiled(self, event) -> None:
+        """A RegionCompiled event from the engine's stream."""
+        self.compiles += 1
+        self.compile_seconds += event.seconds
+        self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20])
 
     def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
         key = (op, reason)
@@ -61,15 +70,38 @@ class Stats:
 
     @property
     def simulated_seconds(self) -> float:
-        return DEVICE.timeline.clock - self._device_start[0]
+        return DEVICE.busy().seconds - self._device_start.seconds
 
     @property
     def hbm_bytes(self) -> int:
-        return DEVICE.timeline.hbm_bytes - self._device_start[1]
+        return DEVICE.busy().hbm_bytes - self._device_start.hbm_bytes
 
     @property
     def kernels(self) -> int:
-        return DEVICE.timeline.kernels - self._device_start[2]
+        return DEVICE.busy().kernels - self._device_start.kernels
+
+    @property
+    def unused_compiles(self) -> int:
+        """Regions compiled that no later flush has run again (so far): the compile cost that
+        bought nothing. The policy waits for a region to recur before compiling it to keep this 0."""
+        return sum(1 for r in self.regions.values() if r.hits == 0)
+
+    @property
+    def collectives(self) -> dict[str, CollectiveTotals]:
+        """torch.distributed collectives on neuron tensors since the reset, by kind: calls,
+        payload bytes, simulated seconds (included in simulated_seconds)."""
+        start = self._collectives_start
+        totals = {}
+        for kind, now in COLLECTIVES.snapshot().items():
+            before = start.get(kind, CollectiveTotals())
+            if now.calls > before.calls:
+                totals[kind.value] = CollectiveTotals(now.calls - before.calls, now.bytes - before.bytes,
+                                                      now.seconds - before.seconds)
+        return totals
+
+    @property
+    def collective_seconds(self) -> float:
+        return sum(t.seconds for t in self.collectives.values())
 
     @property
     def compiled_fraction(self) -> float:
@@ -84,6 +116,7 @@ class Stats:
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "unused_compiles": self.unused_compiles,
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
             "guard_misses": dict(self.guard_misses),
             "fallbacks": [{"op": op, "reason": reason, "count": n,
@@ -92,6 +125,7 @@ class Stats:
             "flush_reasons": dict(self.flush_reasons),
             "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
+            "collectives": {kind: vars(t).copy() for kind, t in self.collectives.items()},
             "regions": {name: vars(r).copy() for name, r in self.regions.items()},
             "caches": {name: size._asdict() for name, size in self.cache_sizes().items()},
         }
@@ -104,11 +138,15 @@ class Stats:
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
-            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}",
+            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
         ]
+        collectives = self.collectives
+        if collectives:
+            lines.append("  collectives (calls, MiB, simulated ms): " + ", ".join(
+                f"{kind} {t.calls} {t.bytes / 2**20:.2f} {t.seconds * 1e3:.3f}" for kind, t in collectives.items()))
         caches = self.cache_sizes()
         if caches:
             lines.append("  engine caches (entries/limit, evicted): " + ", ".join(

@@ -5,6 +5,7 @@ runtime. The autograd engine runs backward on its own thread with this mode prop
 """
 from __future__ import annotations
 
+from torch._C._dynamo import eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..device.tensor import NeuronTensor, names_neuron
@@ -16,6 +17,13 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.runtime = runtime
         self.lazy = mode != "eager"
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Dynamo must not trace the engine (a torch.compile'd function in an engine block). PyTorch
+        # ensures it by wrapping __torch_dispatch__ in torch._disable_dynamo, which costs ~2.5 us on
+        # every op; the handler's code object is marked to the same effect instead (below).
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -29,3 +37,14 @@ class Tracer(TorchDispatchMode):
         self.runtime.stats.ops_seen += 1
         self.runtime.stats.ops_eager += 1
         return execute(func, args, kwargs)
+
+
+def _skip_dynamo(code) -> None:
+    """What torch._disable_dynamo(recursive=True) does on each call, set once on a code object:
+    Dynamo runs this frame, and every frame it calls, without tracing (torch/csrc/dynamo/
+    eval_frame_cpp.cpp, FrameAction.SKIP). It costs nothing while no torch.compile is running."""
+    skip = eval_frame._FrameAction.SKIP
+    eval_frame.set_code_exec_strategy(code, eval_frame._FrameExecStrategy(skip, skip))
+
+
+_skip_dynamo(Tracer.__torch_dispatch__.__code__)

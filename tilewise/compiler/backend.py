@@ -33,17 +33,17 @@ def _compiler(kind: str):
         compiled = compile_graph(gm, list(example_inputs), spec=DEVICE.spec, name=name)
         backend_stats.graphs_compiled += 1
         run, record = compiled.run, compiled.charge
-        timeline = DEVICE.timeline
 
         def call(args: list):
             # Boxed convention: AOTAutograd passes one list we may clear, freeing inputs early.
             if DEVICE.lazy_pending:  # the host buffers are read directly: compute deferred work first
                 DEVICE.synchronize()
             host = [a._data if hasattr(a, "_data") else a for a in args]
+            core = next((a._core for a in args if hasattr(a, "_data")), 0)  # Dynamo guards the device
             args.clear()
             backend_stats.calls += 1
             outs = run(*host)
-            record(timeline, name)
+            record(DEVICE.cores[core].timeline, name)
             return outs
 
         call._boxed_call = True

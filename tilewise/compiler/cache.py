@@ -39,6 +39,7 @@ import torch
 
 from ..config import config
 from ..errors import CompileError
+from .cost import LaunchCost
 from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached
 from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json
 
@@ -407,9 +408,9 @@ def _text(value) -> str:
     return value
 
 
-def _cost(value) -> tuple:
-    """(kernel name, engine, seconds, hbm bytes, flops), as the cost model makes it."""
+def _cost(value) -> LaunchCost:
+    """A LaunchCost from its JSON list (name, engine, seconds, hbm bytes, flops)."""
     name, engine, seconds, hbm_bytes, flops = value
     if not all(type(v) in (int, float) for v in (seconds, hbm_bytes, flops)):
         raise CompileError(f"malformed cost {value!r} in a compile cache entry")
-    return _text(name), _text(engine), seconds, hbm_bytes, flops
+    return LaunchCost(_text(name), _text(engine), seconds, hbm_bytes, flops)

@@ -9,6 +9,7 @@ the enclosing loops it does not index.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -18,6 +19,15 @@ from ..device.spec import DeviceSpec
 from .ops import val
 from .region import Region
 from .tile_ir import Kernel, Launch, Ops
+
+
+class LaunchCost(NamedTuple):
+    """What one launch costs on the simulated device, as the timeline records it."""
+    name: str
+    engine: str
+    seconds: float
+    hbm_bytes: int
+    flops: int
 
 
 def _nbytes(shape, dtype) -> int:
@@ -86,7 +96,7 @@ def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
     return hbm, dma_seconds(spec, dma_bytes), engine, compute, flops, max(tiles, 1)
 
 
-def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> tuple:
+def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> LaunchCost:
     """One launch overhead, then each kernel in turn: its DMA overlapped with its compute."""
     first = launch.kernels[0]
     if first.kind == "opaque":
@@ -100,10 +110,10 @@ def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> tuple:
         engine = engine if compute >= dma else "DMA"
         busy[engine] = busy.get(engine, 0.0) + stage
     engine = "TensorEngine" if flops else max(busy, key=busy.get)
-    return (launch.name, engine, seconds, hbm, flops)
+    return LaunchCost(launch.name, engine, seconds, hbm, flops)
 
 
-def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> tuple:
+def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> LaunchCost:
     """An op we could not lower costs what eager charges for it."""
     ins = [val(a) for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
     out = val(node)
@@ -119,7 +129,7 @@ def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> tuple:
     engine = engine_of(name, formula is not None)
     work = flops or max([t.numel() for t in ins + outs] or [0])
     dtype = outs[0].dtype if outs else torch.float32
-    return (kernel.name, engine, kernel_seconds(spec, engine, hbm, work, dtype), hbm, flops)
+    return LaunchCost(kernel.name, engine, kernel_seconds(spec, engine, hbm, work, dtype), hbm, flops)
 
 
 def estimate_cost(region: Region, spec: DeviceSpec) -> Region:

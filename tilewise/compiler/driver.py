@@ -55,8 +55,8 @@ class CompiledRegion:
 
     def charge(self, timeline, region: str | None = None) -> None:
         """Record one timeline kernel per launch."""
-        for name, engine, seconds, hbm_bytes, flops in self.cost:
-            timeline.record(name, engine, seconds, hbm_bytes, flops, region=region or self.name)
+        for launch in self.cost:
+            timeline.record(*launch, region=region or self.name)
 
     def check_tile_limits(self) -> None:
         for launch in self.launches:
@@ -64,11 +64,11 @@ class CompiledRegion:
 
     @property
     def hbm_bytes(self) -> int:
-        return sum(entry[3] for entry in self.cost)
+        return sum(launch.hbm_bytes for launch in self.cost)
 
     @property
     def seconds(self) -> float:
-        return sum(entry[2] for entry in self.cost)
+        return sum(launch.seconds for launch in self.cost)
 
     def __str__(self) -> str:
         return "\n\n".join(self.passes_text)

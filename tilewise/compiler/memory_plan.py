@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..device.spec import DeviceSpec
 from ..errors import TileLimitError
 from .lower import default_free, lower_group, opaque_kernel
+from ..reasons import Why
 from .ops import Reason, category, numel, shape
 from .region import Group, Region
 from .tile_ir import Kernel, Launch, Ops
@@ -96,12 +97,12 @@ def memory_plan(region: Region, spec: DeviceSpec) -> Region:
             groups.append(group)
             kernels.append(kernel)
         elif len(group.nodes) > 1:
-            refused.append((group.name, Reason("sbuf", f"rows of {group.domain[1]} elements do not fit SBUF; split")))
+            refused.append((group.name, Reason(Why.SBUF, f"rows of {group.domain[1]} elements do not fit SBUF; split")))
             parts = _singletons(group, nodes, next_id)
             next_id += len(parts)
             pending = parts + pending
         else:
-            refused.append((group.name, Reason("sbuf", f"a row of {group.domain[1]} elements does not fit SBUF")))
+            refused.append((group.name, Reason(Why.SBUF, f"a row of {group.domain[1]} elements does not fit SBUF")))
             opaque = group.__class__(id=group.id, kind="opaque", nodes=group.nodes)
             groups.append(opaque)
             kernels.append(opaque_kernel(opaque, nodes))

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..reasons import Reason, Why
+
 from ..eager.plan import NO_KERNEL
 
 aten = torch.ops.aten
@@ -50,15 +52,6 @@ SCALAR_CONSTANTS = frozenset({aten.scalar_tensor.default, aten.full.default})
 # Integer ranges: start + step * the column index, made on chip (an iota) instead of loaded.
 ARANGES = frozenset({aten.arange.default, aten.arange.start_step})
 FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
-
-
-class Reason(NamedTuple):
-    """Why a fusion was refused or an op left opaque; `kind` is stable for counting."""
-    kind: str
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}: {self.detail}"
 
 
 def val(node):
@@ -165,13 +158,13 @@ def category(node) -> str:
 
 def opaque_reason(node) -> Reason:
     if node.target is GATHER or node.target in SCATTERS:
-        return Reason("opaque", f"{node.target} has a tile lowering only along the last dim with one index "
+        return Reason(Why.OPAQUE, f"{node.target} has a tile lowering only along the last dim with one index "
                                 "per row (index shaped [..., 1], src shaped like the index)")
     if node.target is CAT:
-        return Reason("opaque", "cat has a tile lowering only along the last dim, of parts of one dtype")
+        return Reason(Why.OPAQUE, "cat has a tile lowering only along the last dim, of parts of one dtype")
     if node.target is INDEX_PUT:
-        return Reason("opaque", "index_put has a tile lowering only accumulating whole rows by one index")
-    return Reason("opaque", f"no tile lowering for {node.target}")
+        return Reason(Why.OPAQUE, "index_put has a tile lowering only accumulating whole rows by one index")
+    return Reason(Why.OPAQUE, f"no tile lowering for {node.target}")
 
 
 def is_column_sum(node) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CompileError
+from ..reasons import Why
 from .ops import (ARANGES, BROADCAST_IN_DIM, EMBEDDING, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
                   opaque_reason, reduced_dims, shape, strip, tensor_inputs)
 from .region import Group, Region
@@ -93,14 +94,14 @@ class _Groups:
 
     def can_merge(self, a: _G, b: _G) -> Reason | None:
         if {a.kind, b.kind} == {"matmul"} or {a.kind, b.kind} == {"matmul", "reduction"}:
-            return Reason("kind", f"cannot fuse {a.kind}_{a.id} with {b.kind}_{b.id}")
+            return Reason(Why.FUSION_KINDS, f"cannot fuse {a.kind}_{a.id} with {b.kind}_{b.id}")
         for mm, other in ((a, b), (b, a)):
             if mm.kind == "matmul" and other.id in mm.anc:
-                return Reason("prologue", f"{other.kind}_{other.id} feeds the matmul of {mm.kind}_{mm.id}")
+                return Reason(Why.PROLOGUE, f"{other.kind}_{other.id} feeds the matmul of {mm.kind}_{mm.id}")
         if _joint_domain(a.domain, b.domain) is None:
-            return Reason("domain", f"{a.domain} vs {b.domain}")
+            return Reason(Why.DOMAIN, f"{a.domain} vs {b.domain}")
         if any(a.id in self.groups[x].anc for x in b.anc) or any(b.id in self.groups[x].anc for x in a.anc):
-            return Reason("cycle", f"a path leaves {a.kind}_{a.id} and re-enters {b.kind}_{b.id}")
+            return Reason(Why.CYCLE, f"a path leaves {a.kind}_{a.id} and re-enters {b.kind}_{b.id}")
         return None
 
 
@@ -126,16 +127,16 @@ def _elementwise_fit(node, group: _G):
     elif numel(out) == rows:
         domain, row = group.domain, True
     else:
-        return Reason("domain", f"{node.name} {list(out)} does not tile as {rows}x{cols}")
+        return Reason(Why.DOMAIN, f"{node.name} {list(out)} does not tile as {rows}x{cols}")
     for arg in tensor_inputs(node):
         if arg.name not in group.names:
             continue
         arg_row = arg.name in group.rows
         if row and not arg_row:
-            return Reason("domain", f"{arg.name} is a full tile but {node.name} is a row")
+            return Reason(Why.DOMAIN, f"{arg.name} is a full tile but {node.name} is a row")
         expected = out[:-1] + (1,) if (arg_row and not row) else out
         if strip(shape(arg)) != strip(expected):
-            return Reason("broadcast", f"{arg.name} {list(shape(arg))} broadcasts across tiles of {node.name}")
+            return Reason(Why.BROADCAST, f"{arg.name} {list(shape(arg))} broadcasts across tiles of {node.name}")
     return domain, row
 
 
@@ -153,12 +154,12 @@ def _view_fit(node, group: _G):
             return group.domain, True
         if out and out[-1] == cols:
             return group.domain, False
-        return Reason("view", f"{node.name} changes the free axis of {arg.name}")
+        return Reason(Why.VIEW, f"{node.name} changes the free axis of {arg.name}")
     if widens_row and arg_row and out and out[-1] == 1 and numel(out) == rows:
         return group.domain, True  # widened to a width of 1: still one value per row
     if widens_row and arg_row and out and numel(out) == rows * out[-1] and cols in (1, out[-1]):
         return (rows, out[-1]), False
-    return Reason("view", f"{node.target} does not keep tiles whole")
+    return Reason(Why.VIEW, f"{node.target} does not keep tiles whole")
 
 
 def _reduction_fit(node, group: _G):
@@ -166,20 +167,20 @@ def _reduction_fit(node, group: _G):
     arg = node.args[0]
     dims, in_shape = reduced_dims(node), shape(arg)
     if not in_shape or dims != [len(in_shape) - 1]:
-        return Reason("reduction", f"{node.name} reduces dims {dims} of {list(in_shape)}, not only the last")
+        return Reason(Why.REDUCTION, f"{node.name} reduces dims {dims} of {list(in_shape)}, not only the last")
     domain = (numel(in_shape) // max(in_shape[-1], 1), in_shape[-1])
     if group is None:
         return domain, True
     if group.kind == "matmul":
-        return Reason("kind", f"reduction {node.name} after a matmul stays in its own kernel")
+        return Reason(Why.FUSION_KINDS, f"reduction {node.name} after a matmul stays in its own kernel")
     if arg.name in group.rows and in_shape[-1] != 1:
-        return Reason("domain", f"{arg.name} is a row tile")
+        return Reason(Why.DOMAIN, f"{arg.name} is a row tile")
     index = node.args[2] if node.target is GATHER else None
     if index is not None and index.name in group.names and index.name not in group.rows:
-        return Reason("domain", f"index {index.name} of {node.name} is a full tile, not a row")
+        return Reason(Why.DOMAIN, f"index {index.name} of {node.name} is a full tile, not a row")
     joint = _joint_domain(group.domain, domain)  # the group may hold only the index, as rows
     if joint is None:
-        return Reason("domain", f"{node.name} reads rows of {list(in_shape)}, not {group.domain}")
+        return Reason(Why.DOMAIN, f"{node.name} reads rows of {list(in_shape)}, not {group.domain}")
     return joint, True
 
 
@@ -208,7 +209,7 @@ def _place(state: _Groups, node, cat: str) -> None:
     for gid in candidates:
         group = state.groups[gid]
         fit = _fit(node, cat, group) if state.convex_with(node, group) else \
-            Reason("cycle", f"{node.name} would close a path through another kernel")
+            Reason(Why.CYCLE, f"{node.name} would close a path through another kernel")
         if isinstance(fit, Reason):
             state.refused.append((f"{node.name} -> {group.kind}_{group.id}", fit))
             continue

@@ -10,8 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .printer import format_graph
-from .tile_ir import Kernel, Launch
+from .tile_ir import Kernel, Launch, op_name
 
 
 @dataclass(frozen=True)
@@ -61,9 +60,27 @@ class Region:
         if self.launches:
             lines.append("")
         lines.extend("  " + str(launch) for launch in self.launches)
-        for entry in self.cost:
-            lines.append(f"  # cost of launch {entry[0]}: {entry[1]} {entry[2] * 1e6:.2f} us, "
-                         f"{entry[3]} HBM bytes, {entry[4]} flops")
+        for launch in self.cost:
+            lines.append(f"  # cost of launch {launch.name}: {launch.engine} {launch.seconds * 1e6:.2f} us, "
+                         f"{launch.hbm_bytes} HBM bytes, {launch.flops} flops")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")
         return "\n".join(lines)
+
+
+def format_graph(graph: torch.fx.Graph, note_of=None) -> list[str]:
+    """One line per node: `name = target(args)`, with an optional note (its fusion group)."""
+    lines = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            text = f"{node.name} = input"
+        elif node.op == "output":
+            text = f"return {node.args[0]}"
+        elif node.op == "get_attr":
+            text = f"{node.name} = constant {node.target}"
+        else:
+            args = ", ".join([str(a) for a in node.args] + [f"{k}={v}" for k, v in node.kwargs.items()])
+            text = f"{node.name} = {op_name(node.target)}({args})"
+        note = note_of(node) if note_of else ""
+        lines.append(f"  {text:<72} # {note}" if note else f"  {text}")
+    return lines

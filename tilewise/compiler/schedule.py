@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..device.spec import DeviceSpec
 from .memory_plan import check_launch_limits
+from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
@@ -64,7 +65,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
             if max(working[k] + live[k] for k in range(i, last + 1)) + size > spec.sbuf_partition_bytes:
                 refused.append((f"{ref.node} -> SBUF", Reason(
-                    "sbuf", f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
+                    Why.SBUF, f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
                             f"{name}; it goes through HBM")))
                 continue
             for k in range(i, last + 1):

@@ -1,10 +1,10 @@
 """The simulated NeuronCore: `neuron` device registration, device tensors, HBM, cost model, timeline."""
-from .backend import (allow_loading, convert_modules_in_place, fork_safely, register, share_between_processes,
-                      treat_host_memory_as_pinned, use_foreach_optimizers)
+from .backend import (allow_loading, backward_on_calling_thread, convert_modules_in_place, fork_safely, register,
+                      share_between_processes, treat_host_memory_as_pinned, use_foreach_optimizers)
 
 register()  # first: everything below names torch.device("neuron")
 
-from . import serialization  # noqa: E402
+from . import serialization, unsupported  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
 from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
 from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
@@ -16,6 +16,9 @@ convert_modules_in_place(NeuronTensor)
 share_between_processes(NeuronTensor, reduce_for_process)
 treat_host_memory_as_pinned(NEURON.type)
 fork_safely(DEVICE)
+backward_on_calling_thread(DEVICE)
+unsupported.refuse_storages()
+unsupported.refuse_nested()
 
 __all__ = ["DEVICE", "Device", "DeviceSpec", "NEURON", "NeuronTensor", "PRESETS", "TRN2", "TRN3",
            "preset", "wrap"]

@@ -1,6 +1,7 @@
 """Registers the `neuron` device with PyTorch (PrivateUse1, pure Python)."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -22,6 +23,35 @@ def register() -> None:
     _setup_privateuseone_for_python_backend("neuron" if current != "neuron" else None,
                                             backend_module=neuron_module)
     sys.modules["torch.neuron"] = neuron_module
+
+
+def backward_on_calling_thread(device) -> None:
+    """Backward through tensors on neuron:1 ... neuron:N-1 runs on the thread that calls it.
+
+    The autograd engine gives each accelerator index a worker thread, as many as the device guard
+    reports devices; the guard that _setup_privateuseone_for_python_backend registers (C++
+    PythonDeviceGuard, torch/csrc/acc/Module.cpp) reports one, fixed in C++ and not overridable
+    from Python, and only one guard may be registered. A backward op on neuron:1 then fails the
+    engine's INTERNAL ASSERT (device_ready_queues_ index). With multithreading disabled, the engine
+    runs every backward op on the calling thread's queue instead, which needs no device queue:
+    the same ops, in an order the graph allows, so the same gradients. neuron:0-only programs keep
+    PyTorch's usual device thread. PyTorch's own torch.compiler patches the same two names.
+    """
+    from torch.autograd import graph
+
+    original = graph._engine_run_backward
+    if getattr(original, "device", None) is device:
+        return
+
+    @functools.wraps(original)
+    def run_backward(*args, **kwargs):
+        if not device.beyond_first_core:
+            return original(*args, **kwargs)
+        with torch.autograd.set_multithreading_enabled(False):
+            return original(*args, **kwargs)
+
+    run_backward.device = device
+    graph._engine_run_backward = torch.autograd._engine_run_backward = run_backward
 
 
 def use_foreach_optimizers(tensor_type: type) -> None:

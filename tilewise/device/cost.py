@@ -38,17 +38,24 @@ def dma_seconds(spec: DeviceSpec, hbm_bytes: int) -> float:
     return hbm_bytes / spec.hbm_bandwidth
 
 
-def compute_seconds(spec: DeviceSpec, engine: str, work: float, dtype: torch.dtype) -> float:
-    """Work is FLOPs for the TensorEngine and elements for the Vector/Scalar engines."""
+def compute_rate(spec: DeviceSpec, engine: str, dtype: torch.dtype) -> float | None:
+    """Work per second of an engine: FLOPs for the TensorEngine, elements for the Vector and
+    Scalar engines; None for the DMA queues, which compute nothing. The eager path caches it per
+    (engine, dtype), as it charges one kernel per op."""
     if engine == "TensorEngine":
-        rate = spec.tensor_flops_bf16 if dtype in (torch.bfloat16, torch.float16) else spec.tensor_flops_fp32
-        return work / rate
+        return spec.tensor_flops_bf16 if dtype in (torch.bfloat16, torch.float16) else spec.tensor_flops_fp32
     if engine == "ScalarEngine":
-        return work / (spec.scalar_hz * spec.scalar_elems_per_cycle)
+        return spec.scalar_hz * spec.scalar_elems_per_cycle
     if engine == "VectorEngine":
         lanes = spec.vector_elems_per_cycle * (2 if dtype in (torch.bfloat16, torch.float16) else 1)
-        return work / (spec.vector_hz * lanes)
-    return 0.0
+        return spec.vector_hz * lanes
+    return None
+
+
+def compute_seconds(spec: DeviceSpec, engine: str, work: float, dtype: torch.dtype) -> float:
+    """Work is FLOPs for the TensorEngine and elements for the Vector/Scalar engines."""
+    rate = compute_rate(spec, engine, dtype)
+    return work / rate if rate is not None else 0.0
 
 
 def kernel_seconds(spec: DeviceSpec, engine: str, hbm_bytes: int, work: float,

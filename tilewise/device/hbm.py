@@ -2,6 +2,9 @@
 
 A storage is counted once, however many tensors view it, and released when PyTorch frees it (a
 weak reference on the storage object, which PyTorch keeps alive exactly as long as the storage).
+Every op makes and frees storages, so the weak reference's callback only queues the dead reference
+(a C-level list append: no Python frame, no lock); the queue is settled before anything reads or
+checks the bytes in use.
 """
 from __future__ import annotations
 
@@ -25,56 +28,75 @@ class HBM:
         # RLock: a weakref callback may run (garbage collection) while this thread holds the lock.
         self._lock = threading.RLock()
         self._live: dict[int, _StorageRef] = {}
-        self._on_free = self._release_ref  # bound once: track() is on every op's path
-        self.in_use = 0
+        self._freed: list[_StorageRef] = []  # references whose storage died, not yet uncounted
+        self._on_free = self._freed.append  # the weak references' callback
+        self._in_use = 0
         self.peak = 0
         self.allocations = 0
         self.frees = 0
 
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            self._settle()
+            return self._in_use
+
     def check(self, nbytes: int) -> None:
         """Raise the device OOM error if `nbytes` more would not fit; changes nothing."""
-        if self.in_use + nbytes > self.capacity:
-            raise NeuronOutOfMemoryError(nbytes, self.in_use, self.capacity, self.spec_name)
+        with self._lock:
+            self._settle()
+            if self._in_use + nbytes > self.capacity:
+                raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count the storage behind `tensor` if it is new; raise OOM (counting nothing) if it won't fit."""
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self._live:
+        ref = self._live.get(key)
+        if ref is not None and ref() is storage:
             return
         nbytes = storage.nbytes()
         with self._lock:
+            if self._freed:
+                self._settle()  # also drops a dead storage's entry at the same address
             if key in self._live:  # another thread (autograd's) counted it meanwhile
                 return
-            self.check(nbytes)
+            in_use = self._in_use + nbytes
+            if in_use > self.capacity:
+                raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
             ref = _StorageRef(storage, self._on_free)
             ref.key, ref.nbytes = key, nbytes
             self._live[key] = ref
-            self.in_use += nbytes
+            self._in_use = in_use
             self.allocations += 1
-            if self.in_use > self.peak:
-                self.peak = self.in_use
+            if in_use > self.peak:
+                self.peak = in_use
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` (a host storage) is counted, i.e. is the buffer of a device tensor."""
         ref = self._live.get(storage._cdata)
         return ref is not None and ref() is storage
 
-    def _release_ref(self, ref: _StorageRef) -> None:
-        with self._lock:
+    def _settle(self) -> None:
+        """Uncount the storages that died since the last call (the caller holds the lock)."""
+        freed = self._freed
+        while freed:
+            ref = freed.pop()
             if self._live.get(ref.key) is ref:  # not a newer storage that reused the address
                 del self._live[ref.key]
-                self.in_use -= ref.nbytes
+                self._in_use -= ref.nbytes
                 self.frees += 1
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak = self.in_use
+            self._settle()
+            self.peak = self._in_use
 
     def stats(self) -> dict[str, int]:
         """Named like torch.cuda.memory_stats() so existing tooling reads it."""
+        in_use = self.in_use  # settles the frees first
         return {
-            "allocated_bytes.all.current": self.in_use,
+            "allocated_bytes.all.current": in_use,
             "allocated_bytes.all.peak": self.peak,
             "allocation.all.current": len(self._live),
             "allocation.all.allocated": self.allocations,

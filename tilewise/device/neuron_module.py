@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DeviceError
 from .runtime import DEVICE
+# torch.cuda's stream API, re-exported as torch.neuron's
+from .streams import (Event, Stream, StreamContext, current_stream, default_stream, device_index,  # noqa: F401
+                      set_stream, stream)
 
 
 def is_available() -> bool:
@@ -15,64 +17,103 @@ def is_initialized() -> bool:
     return True
 
 
+def init() -> None:
+    """Nothing to initialise: the cores exist from import."""
+
+
 def device_count() -> int:
-    return 1
+    return len(DEVICE.cores)
 
 
 def current_device() -> int:
-    return 0
-
-
-def _check(device) -> None:
-    """Accept what torch.cuda accepts for its one device here: None, 0, "neuron", "neuron:0"."""
-    if device is None:
-        return
-    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
-        raise DeviceError(f"expected a neuron device (None, 0, 'neuron', 'neuron:0' or a torch.device); "
-                          f"got {device!r}")
-    if isinstance(device, int):
-        index = device
-    else:
-        try:
-            parsed = torch.device(device)
-        except RuntimeError:
-            raise DeviceError(f"expected a neuron device ('neuron' or 'neuron:0'); got {device!r}") from None
-        if parsed.type != "neuron":
-            raise DeviceError(f"expected a neuron device ('neuron' or 'neuron:0'); got {device!r}")
-        index = parsed.index
-    if index not in (None, 0):
-        raise DeviceError(f"neuron error: invalid device ordinal neuron:{index} "
-                          "(torch.neuron.device_count() == 1): tilewise simulates one NeuronCore, neuron:0")
+    return DEVICE.current_index()
 
 
 def set_device(device) -> None:
-    _check(device)
+    """Make `device` the current one of this thread (CUDA's semantics); a negative index is ignored."""
+    if isinstance(device, int) and not isinstance(device, bool) and device < 0:
+        return
+    DEVICE.set_current(device_index(device))
+
+
+class device:
+    """`with torch.neuron.device(1):` runs the block with neuron:1 as the current device."""
+
+    def __init__(self, device):
+        negative = isinstance(device, int) and not isinstance(device, bool) and device < 0
+        self.index = None if device is None or negative else device_index(device)
+        self.previous: int | None = None
+
+    def __enter__(self):
+        if self.index is not None:
+            self.previous = DEVICE.current_index()
+            DEVICE.set_current(self.index)
+
+    def __exit__(self, *exc) -> bool:
+        if self.previous is not None:
+            DEVICE.set_current(self.previous)
+            self.previous = None
+        return False
+
+
+class device_of(device):
+    """`with torch.neuron.device_of(tensor):` makes the tensor's core current (nothing for a host tensor)."""
+
+    def __init__(self, obj):
+        super().__init__(obj.get_device() if obj.device.type == "neuron" else None)
+
+
+def get_device_name(device=None) -> str:
+    return f"NeuronCore {device_index(device)} (simulated {DEVICE.spec.name})"
 
 
 def synchronize(device=None) -> None:
-    """Wait for pending device work: flushes the lazy segment of an active engine."""
-    _check(device)
+    """Wait for pending device work: flushes the lazy segment of an active engine (every core)."""
+    device_index(device)
     DEVICE.synchronize()
 
 
+def _hbm(device):
+    return DEVICE.cores[device_index(device)].hbm
+
+
 def memory_allocated(device=None) -> int:
-    _check(device)
-    return DEVICE.hbm.in_use
+    return _hbm(device).in_use
 
 
 def max_memory_allocated(device=None) -> int:
-    _check(device)
-    return DEVICE.hbm.peak
+    return _hbm(device).peak
+
+
+# No caching allocator: what is reserved is what is allocated.
+def memory_reserved(device=None) -> int:
+    return _hbm(device).in_use
+
+
+def max_memory_reserved(device=None) -> int:
+    return _hbm(device).peak
 
 
 def memory_stats(device=None) -> dict[str, int]:
-    _check(device)
-    return DEVICE.hbm.stats()
+    return _hbm(device).stats()
 
 
 def reset_peak_memory_stats(device=None) -> None:
-    _check(device)
-    DEVICE.hbm.reset_peak()
+    _hbm(device).reset_peak()
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    _hbm(device).reset_peak()
+
+
+def empty_cache() -> None:
+    """Nothing is cached: freed tensors give their HBM back at once."""
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the core's HBM."""
+    hbm = _hbm(device)
+    return max(hbm.capacity - hbm.in_use, 0), hbm.capacity
 
 
 def get_device_spec():
@@ -98,12 +139,12 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device=None) -> torch.Tensor:
-    _check(device)
+    device_index(device)
     return torch.default_generator.get_state()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
-    _check(device)
+    device_index(device)
     torch.default_generator.set_state(state)
 
 

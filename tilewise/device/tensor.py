@@ -13,9 +13,10 @@ import torch
 
 from ..errors import DeviceError
 from .runtime import DEVICE
-from .serialization import bound_for_device
+from .serialization import core_bound_for
 
 NEURON = torch.device("neuron", 0)
+_CORES = DEVICE.cores
 
 
 def names_neuron(device) -> bool:
@@ -26,6 +27,7 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 class NeuronTensor(torch.Tensor):
     _data: torch.Tensor
+    _core = 0  # the index of its NeuronCore; set on the tensor only where it is not neuron:0
 
     # Set by tilewise.eager at import: (func, args, kwargs) -> result.
     _execute: Callable = None
@@ -36,11 +38,11 @@ class NeuronTensor(torch.Tensor):
 
     # Dynamo traces a traceable wrapper subclass as itself, with `_data` as its inner tensor.
     def __tensor_flatten__(self):
-        return ["_data"], None
+        return ["_data"], self._core
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return wrap(inner_tensors["_data"])
+        return wrap(inner_tensors["_data"], ctx or 0)
 
     def __repr__(self, *, tensor_contents=None):
         # Format the host copy (one transfer, not one device op per printed element), then say
@@ -54,6 +56,12 @@ class NeuronTensor(torch.Tensor):
         elif self.requires_grad:
             text = text[:-1] + ", requires_grad=True)"
         return text
+
+    def new_tensor(self, data, dtype=None, device=None, requires_grad=False, **kwargs):
+        # PyTorch resolves this tensor's device through the device guard, and the Python guard
+        # of a PrivateUse1 backend always says neuron:0: name this tensor's own core instead.
+        return super().new_tensor(data, dtype=dtype or self.dtype, device=self.device if device is None else device,
+                                  requires_grad=requires_grad, **kwargs)
 
     def __format__(self, format_spec):
         if self.dim() == 0:
@@ -84,6 +92,8 @@ class NeuronTensor(torch.Tensor):
                             "Move it first: param.data = value.to('neuron')")
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
+        if new._core != self._core:  # as for CUDA, `.data =` may move a tensor to another core
+            self._core = new._core
         # The buffer may still be pending in a lazy segment, which learns whether anyone holds it
         # from a token that lives with the buffer; this tensor holds it now, so it holds the token.
         self._holder = getattr(new, "_holder", None)
@@ -101,13 +111,15 @@ def reduce_for_process(tensor: NeuronTensor):
     again on the receiving side whatever happens to the buffer's storage there."""
     if DEVICE.lazy_pending:
         DEVICE.synchronize()
-    return _rebuild_received, (tensor._data.detach(), tensor.requires_grad)
+    return _rebuild_received, (tensor._data.detach(), tensor.requires_grad, tensor._core)
 
 
-def wrap(data: torch.Tensor) -> NeuronTensor:
-    """Make the device tensor whose HBM buffer is `data` (a host tensor). Hot path: keep it lean."""
+def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
+    """Make the device tensor on neuron:<core> whose HBM buffer is `data` (a host tensor). Hot
+    path: keep it lean."""
+    owner = _CORES[core]
     try:
-        _track(data)  # first: an OOM must leave nothing half made
+        owner.hbm.track(data)  # first: an OOM must leave nothing half made
     except (NotImplementedError, RuntimeError):
         if data.layout is torch.strided and not data.is_nested:
             raise
@@ -117,11 +129,31 @@ def wrap(data: torch.Tensor) -> NeuronTensor:
     if data.is_quantized:
         raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
                           "neuron; use .dequantize() first")
-    tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(),
-                           storage_offset=data.storage_offset(), dtype=data.dtype, device=NEURON)
+    offset = data.storage_offset()
+    if offset:
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
+                               dtype=data.dtype, device=owner.device)
+    else:  # every fresh buffer: one keyword fewer for PyTorch's argument parser
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype, device=owner.device)
     tensor._data = data
+    if core:
+        tensor._core = core
+        DEVICE.beyond_first_core = True
     if data.is_conj() or data.is_neg():
         _mirror_math_bits(tensor, data)
+    return tensor
+
+
+def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int = 0) -> NeuronTensor:
+    """wrap() for a buffer the engine has just allocated on neuron:<core> with this size, stride
+    and dtype: dense, at offset 0, no conjugate or negative bit. Every op the lazy engine records
+    makes one, so the checks of wrap() that cannot apply are skipped."""
+    owner = _CORES[core]
+    owner.hbm.track(data)
+    tensor = _make_wrapper(NeuronTensor, size, strides=stride, dtype=dtype, device=owner.device)
+    tensor._data = data
+    if core:
+        tensor._core = core
     return tensor
 
 
@@ -132,19 +164,18 @@ def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
     torch._C._set_neg(tensor, data.is_neg())
 
 
-_track = DEVICE.hbm.track
-
-
-def _rebuild_received(data: torch.Tensor, requires_grad: bool) -> NeuronTensor:
-    tensor = wrap(data)
+def _rebuild_received(data: torch.Tensor, requires_grad: bool, core: int = 0) -> NeuronTensor:
+    tensor = wrap(data, core)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
 
 
 def _rebuild(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """torch.load's half of __reduce_ex__: a device tensor unless map_location sent it elsewhere."""
-    tensor = wrap(data) if bound_for_device(data) else data
+    """torch.load's half of __reduce_ex__: a device tensor unless map_location sent it elsewhere.
+    `data` is on the device already where serialization.rebuild_tensor wrapped it."""
+    core = None if isinstance(data, NeuronTensor) else core_bound_for(data)
+    tensor = data if core is None else wrap(data, core)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor

@@ -6,7 +6,8 @@ import json
 import threading
 from typing import NamedTuple
 
-ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA")
+# "Collectives": tilewise.distributed's all_reduce, all_gather, ... on the NeuronLink.
+ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA", "Collectives")
 # What the host does around the device, on the host's wall clock (time.perf_counter seconds).
 HOST_LANES = ("tracing", "flush", "compilation", "eager ops")
 
@@ -41,7 +42,8 @@ class Timeline:
     kernels so that a long training run does not grow memory without bound.
     """
 
-    def __init__(self, max_events: int):
+    def __init__(self, max_events: int, core: int = 0):
+        self.core = core  # the NeuronCore whose queue this is: neuron:<core>
         self._lock = threading.Lock()
         self.reset(max_events)
 
@@ -74,17 +76,24 @@ class Timeline:
     def chrome_trace(self, kernels=None, host_events=None) -> dict:
         """Trace Event Format (loads in Perfetto and chrome://tracing).
 
-        Process 1 is the device on the simulated clock, one lane per engine; process 2 is the host
-        on its wall clock (from its first span), one lane per HOST_LANES entry. The two clocks are
+        Process 1 is the device on the simulated clock, one lane per engine (process 10+i for core
+        neuron:i, i > 0); process 2 is the host on its wall clock (from its first span), one lane
+        per HOST_LANES entry. The two clocks are
         unrelated: each flush span carries the simulated time its kernels ran at, in its args.
         `kernels` and `host_events` default to everything kept.
         """
-        kernels = list(self.events) if kernels is None else kernels
         host_events = list(self.host_events) if host_events is None else host_events
-        return {"traceEvents": _lanes(1, "NeuronCore (simulated clock)", _ENGINE_TID)
-                + _lanes(2, "Host (wall clock)", _HOST_TID)
-                + [_kernel_event(k) for k in kernels] + _host_trace(host_events),
+        lanes, kernel_events = self.device_events(kernels)
+        return {"traceEvents": lanes + _lanes(2, "Host (wall clock)", _HOST_TID) + kernel_events
+                + _host_trace(host_events),
                 "displayTimeUnit": "ns"}
+
+    def device_events(self, kernels=None) -> tuple[list[dict], list[dict]]:
+        """This core's process in the trace: its lanes, and its kernels (default: all kept)."""
+        kernels = list(self.events) if kernels is None else kernels
+        pid, tids = _core_process(self.core)
+        name = "NeuronCore (simulated clock)" if self.core == 0 else f"NeuronCore {self.core} (simulated clock)"
+        return _lanes(pid, name, tids), [_kernel_event(k, pid, tids) for k in kernels]
 
     def export_chrome_trace(self, path: str) -> str:
         with open(path, "w") as f:
@@ -106,8 +115,15 @@ def _lanes(pid: int, process: str, tids: dict) -> list[dict]:
     return meta
 
 
-def _kernel_event(k: Kernel) -> dict:
-    return {"ph": "X", "pid": 1, "tid": _ENGINE_TID.get(k.engine, len(ENGINES) + 1), "name": k.name,
+def _core_process(core: int) -> tuple[int, dict]:
+    """The trace process of core neuron:<core> and its engines' thread ids (unique across processes)."""
+    if core == 0:
+        return 1, _ENGINE_TID
+    return 10 + core, {engine: 1000 * core + tid for engine, tid in _ENGINE_TID.items()}
+
+
+def _kernel_event(k: Kernel, pid: int, tids: dict) -> dict:
+    return {"ph": "X", "pid": pid, "tid": tids.get(k.engine, min(tids.values()) + len(ENGINES)), "name": k.name,
             "cat": k.region or "eager", "ts": k.start * 1e6, "dur": k.duration * 1e6,
             "args": {"hbm_bytes": k.hbm_bytes, "flops": k.flops, "region": k.region}}
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..device.cost import kernel_seconds
+from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from . import composite
-from .composite import COMPOSITES
 from .plan import OpPlan, plan_of
 
 CPU = torch.device("cpu")
@@ -28,6 +27,27 @@ class Counters:
 
 
 counters = Counters()
+
+
+class _Traffic:
+    """What one pass over an op's arguments learns: HBM bytes read, the largest input, and the
+    cores involved (the inputs', a second one for a transfer, and a `device=` destination)."""
+    __slots__ = ("bytes", "numel", "core", "other", "dest")
+
+    def __init__(self):
+        self.bytes = self.numel = 0
+        self.core = self.other = self.dest = None
+
+    def destination(self) -> int:
+        """The core the op's outputs live on."""
+        if self.dest is not None:
+            return self.dest
+        return self.core if self.core is not None else DEVICE.current_index()
+
+    def source(self, destination: int) -> int | None:
+        """The other core of a transfer between cores, or None."""
+        source = self.other if self.other is not None else self.core
+        return source if source is not None and source != destination else None
 
 
 def execute(func, args, kwargs):
@@ -49,31 +69,48 @@ _MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zer
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
     func = _MATERIALIZED.get(func, func)
-    composite = COMPOSITES.get(func)
-    if composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
-        return composite(*args, **kwargs)
     plan = plan_of(func)
-    traffic = [0, 0]  # [HBM bytes read, largest input numel]
+    if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
+        return plan.composite(*args, **kwargs)
+    traffic = _Traffic()
     host_args = _unwrap(args, plan, traffic)
-    to_host = False
+    to_host = uploads = False
     if kwargs:
+        uploads = kwargs.get("device") is not None
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
     out = func(*host_args, **kwargs)
+    if uploads and not to_host and _shares_memory_with(out, args):
+        # `to(device="neuron")` reaches us whole under inference_mode; run on the host with
+        # device=cpu it returns its input itself, which would make the device tensor the user's
+        # CPU tensor: an upload copies, as `_to_copy` does
+        out = out.clone()
     counters.ops += 1
+    core = traffic.destination()
     if plan.aliases is not None:
-        result = _returned_inputs(plan, args, kwargs, out)
+        result = _returned_inputs(plan, args, kwargs, out, core)
         _follow_host_metadata(plan, result)
     elif to_host:
         result = out
+    elif type(out) is _Tensor:  # the common case, without _wrap_outputs' tests
+        result = wrap(out, core)
     else:
-        result = _wrap_outputs(out)
+        result = _wrap_outputs(out, core)
     if plan.kernel:
-        _charge(plan, host_args, kwargs, out, traffic)
+        _charge(plan, host_args, kwargs, out, traffic, core)
     return result
 
 
-def run_host(func, host_args, host_kwargs):
-    """Run one aten op on host buffers and charge it as one kernel: the lazy engine's replay."""
+def _shares_memory_with(out, args) -> bool:
+    if not isinstance(out, _Tensor):
+        return False
+    storage = out.untyped_storage().data_ptr()
+    return any(isinstance(a, _Tensor) and type(a) is not NeuronTensor and a.untyped_storage().data_ptr() == storage
+               for a in args)
+
+
+def run_host(func, host_args, host_kwargs, core: int = 0):
+    """Run one aten op on host buffers and charge it as one kernel to neuron:<core>: the lazy
+    engine's replay."""
     func = _MATERIALIZED.get(func, func)
     plan = plan_of(func)
     try:
@@ -81,40 +118,41 @@ def run_host(func, host_args, host_kwargs):
     except NotImplementedError:
         # A device-only op recorded lazily (a fused cell under inference_mode): its composite on
         # the host buffers, charged as one kernel.
-        composite = COMPOSITES.get(func)
-        if composite is None:
+        if plan.composite is None:
             raise
-        out = composite(*host_args, **host_kwargs)
+        out = plan.composite(*host_args, **host_kwargs)
     counters.ops += 1
     if plan.kernel:
-        traffic = [0, 0]
+        traffic = _Traffic()
         _measure(host_args, traffic)
-        _charge(plan, host_args, host_kwargs, out, traffic)
+        _charge(plan, host_args, host_kwargs, out, traffic, core)
     return out
 
 
-def _measure(values, traffic: list) -> None:
+def _measure(values, traffic: _Traffic) -> None:
     for value in values:
         if isinstance(value, _Tensor):
             numel = value.numel()
-            traffic[0] += numel * value.element_size()
-            traffic[1] = max(traffic[1], numel)
+            traffic.bytes += numel * value.element_size()
+            traffic.numel = max(traffic.numel, numel)
         elif type(value) is list or type(value) is tuple:
             _measure(value, traffic)
 
 
-def _unwrap(seq, plan: OpPlan, traffic: list) -> list:
+def _unwrap(seq, plan: OpPlan, traffic: _Traffic) -> list:
     host = []
     for arg in seq:
         if type(arg) is NeuronTensor:
             data = arg._data
             host.append(data)
             numel = data.numel()
-            traffic[0] += numel * data.element_size()
-            if numel > traffic[1]:
-                traffic[1] = numel
+            traffic.bytes += numel * data.element_size()
+            if numel > traffic.numel:
+                traffic.numel = numel
+            if arg._core != traffic.core:
+                _meet_core(traffic, arg._core, plan)
         elif isinstance(arg, _Tensor):
-            host.append(_host_tensor_arg(arg, plan))
+            host.append(_host_tensor_arg(arg, plan, traffic))
         elif type(arg) is list or type(arg) is tuple:
             host.append(_unwrap(arg, plan, traffic))
         else:
@@ -122,8 +160,22 @@ def _unwrap(seq, plan: OpPlan, traffic: list) -> list:
     return host
 
 
-def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan) -> torch.Tensor:
+def _meet_core(traffic: _Traffic, core: int, plan: OpPlan) -> None:
+    """An input on `core`: the op's core if it is the first; else the source of a transfer, or
+    PyTorch's error for one op on two devices."""
+    if traffic.core is None:
+        traffic.core = core
+    elif plan.cross_device:
+        traffic.other = core
+    else:
+        raise DeviceError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                          f"neuron:{traffic.core} and neuron:{core}! (in {plan.name})")
+
+
+def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torch.Tensor:
     if isinstance(arg, NeuronTensor):  # a subclass of ours (or a Parameter made from one)
+        if arg._core != traffic.core:
+            _meet_core(traffic, arg._core, plan)
         return arg._data
     # PyTorch lets a 0-dim CPU tensor stand in for a scalar next to device tensors; so do we.
     if arg.device.type == "cpu" and (arg.dim() == 0 or plan.cross_device):
@@ -131,15 +183,18 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan) -> torch.Tensor:
             raise DeviceError(not_dense_message(arg, plan.name))
         return arg
     raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
-                      f"devices, neuron:0 and {arg.device}! (in {plan.name})")
+                      f"devices, neuron:{traffic.destination()} and {arg.device}! (in {plan.name})")
 
 
-def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: list) -> tuple[dict, bool]:
+def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:
     host = {}
     to_host = False
     for key, value in kwargs.items():
         if key == "device" and value is not None:
-            to_host = check_device(value).type == "cpu"
+            device = check_device(value)
+            to_host = device.type == "cpu"
+            if not to_host:
+                traffic.dest = device.index
             value = CPU
         elif isinstance(value, _Tensor):
             value = _unwrap((value,), plan, traffic)[0]
@@ -154,11 +209,11 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: list) -> tuple[dict, boo
 
 
 def check_device(device) -> torch.device:
+    """The device a `device=` argument names, a neuron one with its index (none given: the current
+    device, as for CUDA); CUDA's "invalid device ordinal" error for a core that does not exist."""
     device = torch.device(device) if not isinstance(device, torch.device) else device
-    if device.type == "neuron" and device.index not in (None, 0):
-        # CUDA's words ("CUDA error: invalid device ordinal"), and what exists instead.
-        raise DeviceError(f"neuron error: invalid device ordinal {device} (torch.neuron.device_count() == 1): "
-                          "tilewise simulates one NeuronCore, neuron:0")
+    if device.type == "neuron":
+        return DEVICE.core(device.index).device
     return device
 
 
@@ -168,21 +223,21 @@ def not_dense_message(tensor: torch.Tensor, op_name: str) -> str:
             "convert it first (e.g. .to_dense(), .dequantize(), or one tensor per nested component)")
 
 
-def _wrap_outputs(out):
+def _wrap_outputs(out, core: int):
     if isinstance(out, _Tensor):
-        return wrap(out)
+        return wrap(out, core)
     if type(out) is tuple or type(out) is list:
-        return type(out)(wrap(o) if isinstance(o, _Tensor) else o for o in out)
+        return type(out)(wrap(o, core) if isinstance(o, _Tensor) else o for o in out)
     return out
 
 
-def _returned_inputs(plan: OpPlan, args, kwargs, out):
+def _returned_inputs(plan: OpPlan, args, kwargs, out, core: int):
     """A mutating op returns the very tensors it wrote to, as PyTorch does."""
     picked = [args[source] if isinstance(source, int) else kwargs[source] if source is not None else None
               for source in plan.aliases]
     if len(picked) == 1:
-        return picked[0] if picked[0] is not None else _wrap_outputs(out)
-    return tuple(p if p is not None else _wrap_outputs(o) for p, o in zip(picked, out))
+        return picked[0] if picked[0] is not None else _wrap_outputs(out, core)
+    return tuple(p if p is not None else _wrap_outputs(o, core) for p, o in zip(picked, out))
 
 
 def _follow_host_metadata(plan: OpPlan, result) -> None:
@@ -195,7 +250,7 @@ def _follow_host_metadata(plan: OpPlan, result) -> None:
 
 def _restride(plan: OpPlan, tensor: NeuronTensor) -> None:
     data = tensor._data
-    DEVICE.hbm.track(data)  # resize_ and set_ may have put it on another host storage
+    DEVICE.cores[tensor._core].hbm.track(data)  # resize_ and set_ may have put it on another host storage
     # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that, within
     # the extent (bytes spanned) of the wrapper's storage; an op that grew the host buffer (set_
     # onto a larger tensor, resize_) first gets a wrapper storage as large as the new buffer.
@@ -219,22 +274,51 @@ def _grow_wrapper_storage(tensor: NeuronTensor, data: torch.Tensor) -> None:
 _HOST_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
-def _charge(plan: OpPlan, host_args, kwargs, out, traffic: list) -> None:
-    # Ops without returns (the in-place _foreach_ family) write their first argument.
-    written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
-    if dtype is None:
-        return  # nothing computed on the device (e.g. a scalar read), no kernel
-    flops = 0
-    if plan.flops is not None:
-        flops = int(plan.flops(*host_args, **kwargs, out_val=out))
-        work = flops
+def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) -> None:
+    if type(out) is _Tensor:  # the common case, without _output_traffic's tests
+        out_numel = out.numel()
+        written, dtype = out_numel * out.element_size(), out.dtype
     else:
-        work = max(out_numel, traffic[1])
-    spec = DEVICE.spec
-    hbm_bytes = traffic[0] + written
-    DEVICE.timeline.record(plan.name, plan.engine, kernel_seconds(spec, plan.engine, hbm_bytes, work, dtype),
-                           hbm_bytes, flops)
+        # Ops without returns (the in-place _foreach_ family) write their first argument.
+        written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
+        if dtype is None:
+            return  # nothing computed on the device (e.g. a scalar read), no kernel
+    if plan.flops is not None:
+        flops = work = int(plan.flops(*host_args, **kwargs, out_val=out))
+    else:
+        flops, work = 0, out_numel if out_numel > traffic.numel else traffic.numel
+    hbm_bytes = traffic.bytes + written
+    source = traffic.source(core) if plan.cross_device else None
+    # a copy between cores is a transfer, charged to the receiving core and named for both
+    name = plan.name if source is None else f"{plan.name} neuron:{source}->neuron:{core}"
+    DEVICE.cores[core].timeline.record(name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, dtype),
+                                       hbm_bytes, flops)
     counters.kernels += 1
+
+
+class _KernelSeconds:
+    """device.cost.kernel_seconds with each (engine, dtype)'s compute rate read once per spec:
+    the same arithmetic, so the same simulated time, for one kernel charged per eager op."""
+
+    def __init__(self):
+        self.spec = None
+        self.rates: dict = {}
+
+    def __call__(self, engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
+        spec = DEVICE.spec
+        if spec is not self.spec:  # a preset switched (DEVICE.use_spec) since the last kernel
+            self.spec, self.rates = spec, {}
+        key = (engine, dtype)
+        if key in self.rates:
+            rate = self.rates[key]
+        else:
+            rate = self.rates[key] = compute_rate(spec, engine, dtype)
+        compute = work / rate if rate is not None else 0.0
+        dma = hbm_bytes / spec.hbm_bandwidth
+        return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
+
+
+_kernel_seconds = _KernelSeconds()
 
 
 def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:

@@ -51,7 +51,7 @@ def _factory(func, *args, **kwargs):
     device = check_device(kwargs.get("device") or "neuron")
     nbytes = _requested_bytes(func, args, kwargs)
     if nbytes is not None:
-        DEVICE.hbm.check(nbytes)
+        DEVICE.cores[device.index].hbm.check(nbytes)
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False
     kwargs["device"] = device  # run() maps neuron to host and wraps the result

@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from ..device.cost import engine_of
+from .composite import COMPOSITES
 
 # In-place ops that change a tensor's shape or strides (besides those tagged inplace_view): they
 # run on the host buffer and the device tensor then takes the buffer's new metadata.
@@ -34,6 +35,7 @@ class OpPlan(NamedTuple):
     flops: Callable | None         # PyTorch's flop formula, where one exists
     cross_device: bool             # host tensors of any size are legal arguments
     metadata_mutating: bool
+    composite: Callable | None     # its computation in aten ops, where the host cannot run it (composite.py)
 
 
 _plans: dict = {}
@@ -71,6 +73,7 @@ def _make_plan(func) -> OpPlan:
         flops=flops,
         cross_device=name in CROSS_DEVICE,
         metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
+        composite=COMPOSITES.get(func),
     )
 
 

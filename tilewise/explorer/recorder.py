@@ -1,17 +1,19 @@
 """Recording a run: the engine's segment and compile events, its statistics and its timeline.
 
-A `Recorder` subscribes to `RUNTIME.observers` while it is active and keeps what the report needs.
+A `Recorder` subscribes to the engine's event stream (`RUNTIME.events`) while it is active and keeps what the report needs.
 Identical segments are folded into one group as they arrive (a long training loop repeats the same
 segment thousands of times), so memory grows with the number of distinct segments, not of steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 import time
 
 from ..adaptive import RUNTIME
+from ..adaptive.events import RegionCompiled, SegmentRan
 from ..device.runtime import DEVICE
 from ..errors import TilewiseError
 from .summary import first_segment
@@ -34,18 +36,18 @@ class SegmentLog:
         self.groups: dict = {}
         self.not_kept: list[int] = []
 
-    def add(self, event: dict) -> None:
-        nodes = event["nodes"]
+    def add(self, event: SegmentRan) -> None:
+        nodes = event.nodes
         key = (tuple((n["op"], n["kind"], n["stable"], n["region"], n["why_eager"]) for n in nodes),
-               tuple(tuple(edge) for edge in event["edges"]))
+               tuple(tuple(edge) for edge in event.edges))
         group = self.groups.get(key)
         if group is None:
             if len(self.groups) >= self.max_groups:
-                self.not_kept.append(event["segment"])
+                self.not_kept.append(event.segment)
                 return
-            group = self.groups[key] = {"segments": [], "replays": [], "nodes": nodes, "edges": event["edges"],
+            group = self.groups[key] = {"segments": [], "replays": [], "nodes": nodes, "edges": event.edges,
                                         "_shapes": set()}
-        group["replays" if event.get("replayed") else "segments"].append(event["segment"])
+        group["replays" if event.replayed else "segments"].append(event.segment)
         if len(group["_shapes"]) < MAX_SHAPE_VARIANTS:
             group["_shapes"].add(hash(tuple(str(n["shapes"]) for n in nodes)))
 
@@ -121,13 +123,15 @@ class Recorder:
         self._clock, self._host = DEVICE.timeline.clock, time.perf_counter()
         self._started = datetime.datetime.now().isoformat(timespec="seconds")
         self._run, self._active = None, True
-        RUNTIME.observers.append(self._observe)
+        RUNTIME.events.subscribe(SegmentRan, self._on_segment)
+        RUNTIME.events.subscribe(RegionCompiled, self._on_compiled)
         return self
 
     def stop(self) -> Run:
         if self._active:
             RUNTIME.flush("explorer stopped")  # count what the block deferred but never read
-            RUNTIME.observers.remove(self._observe)
+            RUNTIME.events.unsubscribe(SegmentRan, self._on_segment)
+            RUNTIME.events.unsubscribe(RegionCompiled, self._on_compiled)
             self._active = False
             self._run = Run(self._snapshot())
         return self.run()
@@ -155,12 +159,12 @@ class Recorder:
     def write_trace(self, path) -> str:
         return self.run().write_trace(path)
 
-    def _observe(self, event: dict) -> None:
-        if event["kind"] == "segment":
-            self.settings = {"mode": RUNTIME.mode, "threshold": RUNTIME.threshold}
-            self.segments.add(event)
-        elif event["kind"] == "compile":
-            self.compiles.append(dict(event))
+    def _on_segment(self, event: SegmentRan) -> None:
+        self.settings = {"mode": RUNTIME.mode, "threshold": RUNTIME.threshold}
+        self.segments.add(event)
+
+    def _on_compiled(self, event: RegionCompiled) -> None:
+        self.compiles.append(dataclasses.asdict(event))
 
     def _snapshot(self) -> dict:
         timeline = DEVICE.timeline

@@ -112,4 +112,14 @@ def headline(stats: dict) -> list[tuple[str, str]]:
         ("HBM traffic", f"{stats['hbm_bytes'] / 2**20:.2f} MiB"),
         ("host transfers", f"{stats['transfers']}"),
         ("random draws", f"{stats['random_draws']}"),
-    ]
+    ] + _collectives(stats.get("collectives") or {})
+
+
+def _collectives(collectives: dict) -> list[tuple[str, str]]:
+    """torch.distributed collectives on neuron tensors (calls, payload, simulated time), if any."""
+    if not collectives:
+        return []
+    calls = sum(c["calls"] for c in collectives.values())
+    mib = sum(c["bytes"] for c in collectives.values()) / 2**20
+    ms = sum(c["seconds"] for c in collectives.values()) * 1e3
+    return [("collectives", f"{calls} calls, {mib:.2f} MiB, {ms:.3f} ms simulated")]

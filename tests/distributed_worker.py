@@ -1,0 +1,209 @@
+"""One rank of tests/test_distributed.py: runs every collective and a short DDP training on the
+"neuron" process group, and writes what it saw as JSON for the test process to judge.
+
+    python tests/distributed_worker.py OUT.json   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+
+Then DDP and FSDP2 (`fully_shard`) train a small GPT for a few steps in each mode.
+Every collective runs twice on the same inputs: on neuron tensors through the default ("neuron")
+group, and on CPU tensors through a gloo group, the reference. In the lazy modes the inputs are
+computed inside the engine block, so the collective has to compute the pending work first.
+"""
+import datetime
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import tilewise
+from tilewise.distributed.workloads import fully_shard_blocks, neuron_device, train_parallel
+
+MODES = ("eager", "adaptive")
+STEPS, WARMUP, BATCH = 6, 4, 4
+
+
+def inputs(rank: int, world: int, device) -> dict[str, torch.Tensor]:
+    """Rank-dependent values, made by ops (pending in the lazy modes)."""
+    base = torch.arange(4 * world * 3, dtype=torch.float32, device=device).reshape(4 * world, 3)
+    return {"x": base * (rank + 1) + 0.5, "y": (base + rank).sin(), "wide": base.t() * (rank - 0.25)}
+
+
+def collectives(device, group) -> dict[str, list]:
+    """Each collective of the suite on this device's tensors through `group`; results as lists."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = inputs(rank, world, device)
+    out: dict[str, list] = {}
+
+    x = t["x"].clone()
+    dist.all_reduce(x, group=group)
+    out["all_reduce_sum"] = x
+    for name, op in (("max", dist.ReduceOp.MAX), ("avg", dist.ReduceOp.AVG)):
+        y = t["y"].clone()
+        dist.all_reduce(y, op=op, group=group)
+        out[f"all_reduce_{name}"] = y
+    wide = t["wide"].clone()[:, 1:]  # a non-contiguous view: gloo works on a dense copy
+    dist.all_reduce(wide, group=group)
+    out["all_reduce_view"] = wide
+    pair = [t["x"].clone(), t["y"].clone()]
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:  # one allreduce_coalesced
+        for p in pair:
+            dist.all_reduce(p, group=group)
+    manager.wait()
+    out["all_reduce_coalesced"] = torch.cat([p.flatten() for p in pair])
+
+    gathered = [torch.empty_like(t["y"]) for _ in range(world)]
+    dist.all_gather(gathered, t["y"], group=group)
+    out["all_gather"] = torch.stack(gathered)
+    into = torch.empty(world * t["x"].shape[0], 3, device=device)
+    dist.all_gather_single(into, t["x"], group=group)
+    out["all_gather_single"] = into
+
+    scattered = torch.empty(4, 3, device=device)
+    dist.reduce_scatter(scattered, list(t["x"].chunk(world)), group=group)
+    out["reduce_scatter"] = scattered
+    single = torch.empty(4, 3, device=device)
+    dist.reduce_scatter_single(single, t["y"], group=group)
+    out["reduce_scatter_single"] = single
+    averaged = torch.empty(4, 3, device=device)
+    dist.reduce_scatter_single(averaged, t["x"], op=dist.ReduceOp.AVG, group=group)
+    out["reduce_scatter_single_avg"] = averaged
+
+    # FSDP2's shape of call: several all-gathers (and reduce-scatters) coalesced into one
+    a, b = torch.empty(world * 4, 3, device=device), torch.empty(world * 2, 3, device=device)
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:
+        dist.all_gather_single(a, t["x"][:4], group=group)
+        dist.all_gather_single(b, t["y"][2:4], group=group)
+    manager.wait()
+    out["all_gather_single_coalesced"] = torch.cat([a.flatten(), b.flatten()])
+    c, d = torch.empty(4, 3, device=device), torch.empty(4, 3, device=device)
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:
+        dist.reduce_scatter_single(c, t["x"], group=group)
+        dist.reduce_scatter_single(d, t["y"], op=dist.ReduceOp.AVG, group=group)
+    manager.wait()
+    out["reduce_scatter_single_coalesced"] = torch.cat([c.flatten(), d.flatten()])
+
+    bcast = t["x"].clone()
+    dist.broadcast(bcast, src=1, group=group)
+    out["broadcast"] = bcast
+    dist.barrier(group=group)
+
+    exchanged = torch.empty(4 * world, 3, device=device)
+    dist.all_to_all_single(exchanged, t["x"], group=group)
+    out["all_to_all_single"] = exchanged
+
+    # the collectives c10d runs on the group's gloo backend (no Python hook): not charged
+    reduced = t["y"].clone()
+    dist.reduce(reduced, dst=0, group=group)
+    if rank == 0:
+        out["reduce"] = reduced
+    pieces = [torch.empty(4, 3, device=device) for _ in range(world)]
+    dist.all_to_all(pieces, list(t["x"].chunk(world)), group=group)
+    out["all_to_all"] = torch.stack(pieces)
+    gathered_at_root = [torch.empty_like(t["y"]) for _ in range(world)] if rank == 0 else None
+    dist.gather(t["y"], gathered_at_root, dst=0, group=group)
+    if rank == 0:
+        out["gather"] = torch.stack(gathered_at_root)
+    part = torch.empty(4, 3, device=device)
+    dist.scatter(part, list(t["x"].chunk(world)) if rank == 1 else None, src=1, group=group)
+    out["scatter"] = part
+
+    if rank == 0:
+        dist.send(t["y"], dst=1, group=group)
+        out["send_recv"] = t["y"]
+    elif rank == 1:
+        received = torch.zeros_like(t["y"])
+        dist.recv(received, src=0, group=group)
+        out["send_recv"] = received
+    return {name: value.cpu().tolist() for name, value in out.items()}
+
+
+def mlp_and_input():
+    torch.manual_seed(0)
+    return (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+            torch.randn(5, 8))
+
+
+def sgd_losses(model, x, device, steps: int = 4) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = model(x.to(device)).pow(2).sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+def tensor_parallel(mode: str) -> dict:
+    """Megatron-style tensor parallelism (DTensor): the first layer split by columns, the second
+    by rows, the partial sums all-reduced by DTensor's functional collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, x = mlp_and_input()
+    device = neuron_device()  # this rank's core, current as for CUDA
+    torch.neuron.set_device(device)
+    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
+    model = parallelize_module(model.to(device), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode):
+        losses = sgd_losses(model, x, device)
+    return {"losses": losses, "collectives": {k: vars(t) for k, t in tilewise.stats().collectives.items()}}
+
+
+def trace_lanes() -> dict:
+    trace = tilewise.DEVICE.timeline.chrome_trace()
+    tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] == 1}
+    collective = tids.get("Collectives")
+    return {"lanes": sorted(tids), "collective_events": sorted({e["name"].split()[0] for e in trace["traceEvents"]
+                                                                if e.get("ph") == "X" and e.get("tid") == collective})}
+
+
+def explorer_view(html_path: str) -> dict:
+    """What the explorer's report shows of a block of collectives: headline labels, the lane."""
+    import tilewise.explorer
+    from tilewise.explorer import summary
+
+    with tilewise.explorer.record() as recorded:
+        with tilewise.engine(mode="adaptive"):
+            collectives("neuron", None)
+    recorded.write_report(html_path)
+    with open(html_path) as f:
+        html = f.read()
+    return {"headline": dict(summary.headline(recorded.run().data["stats"])),
+            "time_by_engine": dict(summary.time_breakdown(recorded.run().data["trace"])["engines"]),
+            "html_names_the_lane": "Collectives" in html}
+
+
+def main(path: str) -> None:
+    dist.init_process_group("neuron", timeout=datetime.timedelta(seconds=60))
+    gloo = dist.new_group(backend="gloo")
+    report = {"backend": dist.get_backend(), "reference": collectives("cpu", gloo), "modes": {}}
+    for mode in MODES:
+        tilewise.stats().reset()
+        with tilewise.engine(mode=mode):
+            results = collectives("neuron", None)
+        counted = {kind: vars(t) for kind, t in tilewise.stats().collectives.items()}
+        report["modes"][mode] = {"collectives": results, "counted": counted,
+                                 "tensor_parallel": tensor_parallel(mode)}
+        for name, wrap in (("ddp", DistributedDataParallel), ("fsdp", fully_shard_blocks)):
+            run = train_parallel(wrap, mode, steps=STEPS, global_batch=BATCH, warmup=WARMUP)
+            report["modes"][mode][name] = {
+                "losses": run.losses, "params": [p.tolist() for p in run.params],
+                "compiled_fraction": run.compiled_fraction, "cache_hits": run.stats["cache_hits"],
+                "collectives": run.stats["collectives"], "collective_seconds": run.collective_seconds,
+                "simulated_seconds": run.simulated_seconds}
+    report["trace"] = trace_lanes()
+    report["explorer"] = explorer_view(path + ".html")
+    with open(path, "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.exit(0)

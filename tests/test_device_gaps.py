@@ -1,0 +1,109 @@
+"""Device gaps of issue #11: checkpoints mapped onto neuron, generators, storages, sparse and nested
+tensors. What works matches the CPU; what cannot work says so and what to do, and never crashes."""
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tilewise
+
+MODES = ["eager", "adaptive", "compiled"]
+
+
+def _saved(value) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@pytest.mark.parametrize("location", ["neuron", "neuron:0", "neuron:1", torch.device("neuron", 1),
+                                      {"cpu": "neuron:1"}])
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_a_cpu_checkpoint_loads_onto_neuron(location, mode):
+    state = {"w": torch.randn(4, 3), "b": torch.arange(3), "p": torch.nn.Parameter(torch.randn(2))}
+    want = torch.device("neuron", 1) if "1" in str(location) else torch.device("neuron", 0)
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        loaded = torch.load(_saved(state), map_location=location)
+        assert {t.device for t in loaded.values()} == {want}
+        assert isinstance(loaded["p"], torch.nn.Parameter) and loaded["p"].requires_grad
+        for name, value in state.items():
+            assert loaded[name].dtype == value.dtype
+            torch.testing.assert_close(loaded[name].detach().cpu(), value.detach(), rtol=0, atol=0)
+
+
+def test_a_neuron_checkpoint_maps_back_to_the_cpu_as_plain_tensors():
+    state = {"w": torch.randn(4, 3).to("neuron:1")}
+    loaded = torch.load(_saved(state), map_location="cpu")
+    assert type(loaded["w"]) is torch.Tensor and loaded["w"].device == torch.device("cpu")
+
+
+def test_a_generator_on_neuron_is_pytorchs_not_implemented_and_a_cpu_generator_serves():
+    """torch.Generator(device="neuron") cannot be backed from Python on torch 2.13 (the C++
+    PythonHooks route getNewGenerator to the base class, which raises): PyTorch's own error, raised
+    at once; a CPU generator drives neuron's random ops, on any core, as the CPU's."""
+    with pytest.raises(NotImplementedError, match="getNewGenerator"):
+        torch.Generator(device="neuron")
+    want = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+    got = torch.randn(3, 4, device="neuron:1", generator=torch.Generator().manual_seed(3))
+    assert got.device == torch.device("neuron", 1)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_a_storage_on_neuron_is_a_clear_error_not_a_crash():
+    """Without the refusal this segfaults the interpreter; run in a child to prove it does not."""
+    code = ("import torch, tilewise\n"
+            "for make in (lambda: torch.UntypedStorage(8, device='neuron'),\n"
+            "             lambda: torch.UntypedStorage(8, device=torch.device('neuron', 1)),\n"
+            "             lambda: torch.TypedStorage(8, device='neuron')):\n"
+            "    try:\n        make()\n    except tilewise.DeviceError as e:\n        print(str(e)[:40])\n"
+            "print(torch.UntypedStorage(8).nbytes(), torch.UntypedStorage(8, device='cpu').device)\n")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=240,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(tilewise.__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["torch.UntypedStorage(..., device='neuron"] * 3 + ["8 cpu"]
+
+
+_NESTED = {
+    "strided, made on neuron": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], device="neuron"),
+    "strided, moved": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]).to("neuron"),
+    "jagged, made on neuron": lambda: torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)],
+                                                                 layout=torch.jagged, device="neuron"),
+    "jagged, moved": lambda: torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)],
+                                                        layout=torch.jagged).to("neuron:1"),
+    "from neuron tensors": lambda: torch.nested.as_nested_tensor([torch.ones(2, device="neuron")]),
+    "from jagged neuron values": lambda: torch.nested.nested_tensor_from_jagged(
+        torch.ones(5, 4, device="neuron"), torch.tensor([0, 2, 5])),
+}
+
+
+@pytest.mark.parametrize("mode", [None, "adaptive"])
+@pytest.mark.parametrize("case", sorted(_NESTED))
+def test_nested_tensors_on_neuron_are_refused_clearly(case, mode):
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        with pytest.raises(tilewise.DeviceError, match="nested tensors are not supported on neuron|cannot put a nested tensor on neuron"):
+            _NESTED[case]()
+        x = torch.ones(3, device="neuron")
+        assert (x * 2).sum().item() == 6.0
+    cpu = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]).sin()  # the host's own are untouched
+    torch.testing.assert_close(cpu.unbind()[1], torch.ones(3).sin())
+
+
+_SPARSE = {
+    "coo moved": lambda: torch.randn(3, 3).to_sparse().to("neuron"),
+    "csr moved": lambda: torch.randn(3, 3).to_sparse_csr().to("neuron:1"),
+    "coo made on neuron": lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]),
+                                                          (2, 2), device="neuron"),
+    "to_sparse on neuron": lambda: torch.ones(2, 2, device="neuron").to_sparse(),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", sorted(_SPARSE))
+def test_sparse_tensors_on_neuron_are_refused_clearly(case):
+    with pytest.raises(tilewise.DeviceError, match="dense \\(strided\\) only"):
+        _SPARSE[case]()

@@ -1,0 +1,118 @@
+"""What the simulated device cannot hold, refused up front with a clear error instead of a crash.
+
+- Storages: torch.UntypedStorage(n, device="neuron") (and TypedStorage, which makes one) asks the
+  PrivateUse1 allocator for memory; a pure-Python backend has none, and PyTorch dereferences the
+  missing allocator (a segfault). Device memory here is what tensors own: make a tensor.
+- Nested tensors: PyTorch builds a strided nested tensor around a buffer in C++ (no op we see) and
+  then runs NestedTensorPrivateUse1 kernels that do not exist (a segfault or an internal error):
+  refused where they are made. A jagged one (a Python subclass around a values tensor) made from
+  neuron values reaches us with meta offsets; moved with .to("neuron") its forward ops run, but
+  its backward aborts the process in the autograd engine (torch 2.13): refused too, at its
+  constructors and at its _to_copy (torch.nested._internal.ops' table of jagged kernels).
+- Generators: torch.Generator(device="neuron") raises PyTorch's own NotImplementedError. The C++
+  PythonHooks of torch 2.13 (torch/csrc/acc/Module.cpp) route getNewGenerator and
+  getDefaultGenerator to the base class, which raises, and torch.Generator is a C type whose
+  constructor Python cannot take over. Random ops on neuron draw from the host's generators, so a
+  CPU torch.Generator passed as generator= (or torch.manual_seed) is what serves.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import DeviceError
+
+STORAGE_MESSAGE = (
+    "torch.UntypedStorage(..., device='neuron') is not supported: the simulated neuron device has no "
+    "storage allocator (it is a pure-Python PrivateUse1 backend; device memory belongs to tensors). Make a "
+    "tensor instead, e.g. torch.empty(nbytes, dtype=torch.uint8, device='neuron'), or build the storage on "
+    "the CPU and move the tensor made from it with .to('neuron')")
+
+NESTED_MESSAGE = (
+    "nested tensors are not supported on neuron (neuron tensors are dense, strided only): keep the nested "
+    "tensor on the CPU, or move its components one by one (t.unbind()) or padded "
+    "(torch.nested.to_padded_tensor(t, 0.0).to('neuron'))")
+
+
+def _names_neuron(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
+
+
+def _has_neuron_tensor(values) -> bool:
+    if isinstance(values, torch.Tensor):
+        return values.device.type == "neuron"
+    if isinstance(values, (list, tuple)):
+        return any(_has_neuron_tensor(v) for v in values)
+    return False
+
+
+def refuse_storages() -> None:
+    """torch.UntypedStorage(..., device='neuron') raises DeviceError (idempotent)."""
+    storage_type = torch.UntypedStorage
+    if getattr(storage_type.__new__, "refuses_neuron", False):
+        return
+    make = storage_type.__new__
+
+    def __new__(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and _names_neuron(device):
+            raise DeviceError(STORAGE_MESSAGE)
+        return make(cls, *args, **kwargs)
+
+    __new__.refuses_neuron = True
+    storage_type.__new__ = __new__
+
+
+def _refusing_neuron(make):
+    @functools.wraps(make)
+    def nested(*args, **kwargs):
+        if _names_neuron(kwargs.get("device")) or _has_neuron_tensor(args) or _has_neuron_tensor(list(kwargs.values())):
+            raise DeviceError(NESTED_MESSAGE)
+        return make(*args, **kwargs)
+
+    nested.refuses_neuron = True
+    return nested
+
+
+_MAKERS = ("nested_tensor", "as_nested_tensor", "nested_tensor_from_jagged", "narrow")
+_libraries: list[torch.library.Library] = []
+
+
+def _refuse_nested_kernel(*args, **kwargs):
+    raise DeviceError(NESTED_MESSAGE)
+
+
+def refuse_nested() -> None:
+    """The torch.nested constructors refuse neuron, and so does moving a nested tensor there
+    (nested_cpu.to('neuron') reaches the NestedTensorPrivateUse1 key; a jagged one, whose data is
+    a plain tensor inside a Python subclass, reaches our _to_copy through that subclass)."""
+    if _libraries:
+        return
+    for name in _MAKERS:
+        make = getattr(torch.nested, name, None)
+        if make is not None and not getattr(make, "refuses_neuron", False):
+            setattr(torch.nested, name, _refusing_neuron(make))
+    library = torch.library.Library("aten", "IMPL")
+    for op in ("_to_copy", "copy_", "empty_like"):
+        library.impl(op, _refuse_nested_kernel, "NestedTensorPrivateUse1")
+    _libraries.append(library)
+    _refuse_jagged_moves()
+
+
+def _refuse_jagged_moves() -> None:
+    from torch.nested._internal import ops
+
+    to_copy = torch.ops.aten._to_copy.default
+    move = ops.JAGGED_OPS_TABLE.get(to_copy)
+    if move is None or getattr(move, "refuses_neuron", False):
+        return
+
+    @functools.wraps(move)
+    def to_copy_refusing_neuron(*args, **kwargs):
+        if _names_neuron(kwargs.get("device")):
+            raise DeviceError(NESTED_MESSAGE)
+        return move(*args, **kwargs)
+
+    to_copy_refusing_neuron.refuses_neuron = True
+    ops.JAGGED_OPS_TABLE[to_copy] = to_copy_refusing_neuron
