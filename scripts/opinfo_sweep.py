@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import sys
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="float32,grad,bfloat16,float16,int64")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--json", help="write every sample's outcome to this file")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for one op (--jobs > 1)")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds one op may take (all its kinds and modes) before it is killed, reported hung")
     args = parser.parse_args(argv)
 
     import conformance as c
@@ -179,26 +181,74 @@ def _choices(parser, what: str, text: str, allowed) -> tuple:
 
 
 def _run(tasks, jobs: int, timeout: float, start: float) -> list:
-    rows = []
-    if jobs <= 1:
-        for done, task in enumerate(tasks, 1):
-            rows.extend(sweep_op(task)[1])
+    """Every task's rows, each op in a worker process of its own pool slot, so a sweep is bounded:
+    an op that runs past `timeout` seconds is killed and reported as hung, one whose worker dies
+    (an abort in native code) as crashed; the sweep goes on with a fresh worker."""
+    rows: list = []
+    queue = list(reversed(tasks))
+    workers: list[_Worker] = []
+    done = 0
+    while queue or workers:
+        while queue and len(workers) < max(jobs, 1):
+            workers.append(_Worker(queue.pop()))
+        ready = multiprocessing.connection.wait([w.reader for w in workers], timeout=_POLL_SECONDS)
+        for worker in list(workers):
+            outcome = worker.collect(worker.reader in ready, timeout)
+            if outcome is None:
+                continue
+            workers.remove(worker)
+            rows.extend(outcome)
+            done += 1
             _progress(done, len(tasks), start)
-        return rows
-    pending = {task[0] for task in tasks}
-    with multiprocessing.get_context("fork").Pool(jobs, initializer=_one_thread, maxtasksperchild=50) as pool:
-        results = pool.imap_unordered(sweep_op, tasks, chunksize=1)
-        try:
-            for done in range(1, len(tasks) + 1):
-                # A worker that dies (an abort in native code) loses its op: stop waiting.
-                key, op_rows = results.next(timeout=timeout)
-                pending.discard(key)
-                rows.extend(op_rows)
-                _progress(done, len(tasks), start)
-        except multiprocessing.TimeoutError:
-            print(f"no result for {timeout} s; unfinished ops (crashed or hung): {sorted(pending)[:20]}",
-                  file=sys.stderr)
     return rows
+
+
+_POLL_SECONDS = 1.0
+
+
+class _Worker:
+    """One op swept in a forked child process that sends its rows back through a pipe."""
+
+    def __init__(self, task):
+        self.task = task
+        self.started = time.monotonic()
+        self.reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self.process = multiprocessing.get_context("fork").Process(target=_child, args=(task, writer),
+                                                                   daemon=True)
+        self.process.start()
+        writer.close()
+
+    def collect(self, readable: bool, timeout: float):
+        """The op's rows once the child has answered, died or overrun its time; None while it runs."""
+        if readable:
+            try:
+                rows = self.reader.recv()
+            except EOFError:
+                self.process.join()
+                return self._lost(f"crashed: the worker died (exit code {self.process.exitcode})")
+            self.process.join()
+            return rows
+        if time.monotonic() - self.started > timeout:
+            self.process.kill()
+            self.process.join()
+            return self._lost(f"hung: no result within {timeout:.0f} s, the worker was killed")
+        return None
+
+    def _lost(self, message: str) -> list:
+        """One failure row per engine mode and applicable kind of an op that gave no result."""
+        import conformance as c
+        self.reader.close()
+        key, engines, kinds, _ = self.task
+        op = c.OPS[key]
+        print(f"{key}: {message}", file=sys.stderr, flush=True)
+        return [(key, engine, kind, c.FAIL, message, 0, "")
+                for kind in kinds if c.applies(op, kind) for engine in engines]
+
+
+def _child(task, writer) -> None:
+    _one_thread()
+    writer.send(sweep_op(task)[1])
+    writer.close()
 
 
 def _one_thread():

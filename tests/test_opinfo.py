@@ -12,7 +12,10 @@ from typing import NamedTuple
 
 import pytest
 
+import torch
+
 import conformance as c
+import tilewise
 
 
 class Subset(NamedTuple):
@@ -96,3 +99,16 @@ def test_lazy_modes_really_compile_the_samples():
     if not compiled:
         pytest.skip("no compiled float32 samples ran in this session (deselected)")
     assert compiled[True] > 0.8 * sum(compiled.values()), compiled
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive", "compiled"])
+def test_a_zero_gradient_on_neuron_is_real_zeros(mode):
+    """sgn's gradient is autograd's ZeroTensor (no memory); wrapped as a device buffer, the first
+    op that read it crashed the process. The device makes real zeros instead (eager/executor.py)."""
+    host = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    with tilewise.engine(mode=mode, threshold=1):
+        x = host.to("neuron").requires_grad_()
+        grad, = torch.autograd.grad(torch.sgn(x * 2), x, torch.ones(4, 5, device="neuron"))
+        total = (grad.abs() * 3).sum().cpu()
+        values = grad.cpu()
+    assert torch.equal(values, torch.zeros(4, 5)) and total.item() == 0.0

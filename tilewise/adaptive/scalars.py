@@ -56,6 +56,8 @@ def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
     found += [(k, by_name.get(k)) for k, v in kwargs.items() if type(v) is float]
     if not found:
         return None
+    if func in ROUNDED_TO_THE_TENSORS and dtype is torch.float64:
+        dtype = _sixteen_bit(inputs) or dtype
     twin = twin_of(func)
     lifts = []
     for position, argument in found:
@@ -82,6 +84,19 @@ def _scalar_dtype(inputs) -> torch.dtype | None:
     if dtype in (torch.bfloat16, torch.float16) and all(t.dim() > 0 for t in inputs):
         return torch.float64
     return None
+
+
+# In-place ops whose CPU kernel rounds the number to a 16-bit tensor's dtype before multiplying
+# (`_foreach_mul_(bf16 list, 0.9)` multiplies by bfloat16(0.9); `mul` and the functional
+# `_foreach_mul` multiply by 0.9 in float32): lifted for 16-bit tensors as a 0-dim tensor of their
+# dtype, which holds the number rounded alike and multiplies as the kernel does.
+ROUNDED_TO_THE_TENSORS = frozenset({aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList})
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _sixteen_bit(inputs) -> torch.dtype | None:
+    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor)}
+    return next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= set(_SIXTEEN_BIT) else None
 
 
 def _wide(inputs) -> bool:
@@ -184,7 +199,9 @@ def lift_scalar_list(func, lift, args):
         return func, args  # ints keep their integer arithmetic; leave those as they are
     overload, form = lift
     if form == "zero-dim":
-        lifted = [torch.tensor(v, dtype=torch.float64) for v in scalars]
+        rounded = func in ROUNDED_TO_THE_TENSORS
+        lifted = [torch.tensor(v, dtype=t.dtype if rounded and t.dtype in _SIXTEEN_BIT else torch.float64)
+                  for v, t in zip(scalars, args[0])]
     else:
         lifted = torch.tensor(scalars, dtype=torch.float64)
         lifted.tilewise_scalars = True  # a host vector the segment may take as a region input

@@ -212,8 +212,66 @@ def functional_tensor_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+_MUL_BY_SCALARS_INPLACE = (aten._foreach_mul_.Scalar, aten._foreach_mul_.ScalarList)
+
+
+def rounded_foreach_scalars(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with each in-place `_foreach_mul_` by numbers spelled out per tensor, rounding
+    the number to a 16-bit tensor's dtype first, as CPU's in-place kernel does.
+
+    CPU's `_foreach_mul_(bf16 list, 0.9)` multiplies by bfloat16(0.9), while its functional
+    `_foreach_mul` and `mul` (what functionalization would make of it) multiply by 0.9 in float32:
+    one ulp apart in a third of the elements, enough to drift SGD momentum off CPU from step 2."""
+    if not any(node.target in _MUL_BY_SCALARS_INPLACE for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.target in _MUL_BY_SCALARS_INPLACE:
+            node.target = _foreach_mul_rounding_scalars
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _foreach_mul_rounding_scalars(tensors, scalars) -> None:
+    scalars = scalars if isinstance(scalars, (list, tuple)) else [scalars] * len(tensors)
+    for tensor, scalar in zip(tensors, scalars):
+        if tensor.dtype in _SIXTEEN_BIT:
+            # a 0-dim tensor of the dtype holds the number rounded as the kernel rounds it
+            aten.mul_.Tensor(tensor, aten.full.default([], scalar, dtype=tensor.dtype, device=tensor.device))
+        else:
+            aten.mul_.Scalar(tensor, scalar)
+
+
+def exact_expands(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with every `expand` that broadcasts nothing made an `alias` or `view` (traced
+    through `_expand_exactly`, which sees the input's shape).
+
+    Functionalization writes a mutation of an expand view back to its base as
+    `base + sum_to(mutated - base)`, which rounds (`x.expand(x.shape)[..., 0] = 2.0` left 2 - 1 ulp
+    where x was negative); the write-backs of alias and view are the mutated values themselves.
+    An expand that does broadcast cannot be written through on CPU (its elements overlap)."""
+    if not any(node.target is aten.expand.default for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.target is aten.expand.default:
+            node.target = _expand_exactly
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _expand_exactly(x: torch.Tensor, size, implicit: bool = False) -> torch.Tensor:
+    new_dims = len(size) - x.dim()
+    kept = all(s in (-1, old) for s, old in zip(size[new_dims:], x.shape))
+    if new_dims < 0 or not kept or any(s != 1 for s in size[:new_dims]):
+        return aten.expand.default(x, size, implicit=implicit)
+    if new_dims == 0:
+        return aten.alias.default(x)
+    return aten.view.default(x, [1] * new_dims + list(x.shape))
+
+
 def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
-    flat = functional_tensor_scalars(host_factories(flat_module(gm)))
+    flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(host_factories(flat_module(gm)))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 

@@ -61,8 +61,14 @@ def execute(func, args, kwargs):
     return run(func, args, kwargs)
 
 
+# Host results a device buffer cannot stand for, and what the device makes instead: autograd's
+# zero gradients (sgn's, say) are ZeroTensors, which have no memory for a wrapper to hold.
+_MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
+
+
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
+    func = _MATERIALIZED.get(func, func)
     plan = plan_of(func)
     if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
         return plan.composite(*args, **kwargs)
@@ -105,6 +111,7 @@ def _shares_memory_with(out, args) -> bool:
 def run_host(func, host_args, host_kwargs, core: int = 0):
     """Run one aten op on host buffers and charge it as one kernel to neuron:<core>: the lazy
     engine's replay."""
+    func = _MATERIALIZED.get(func, func)
     plan = plan_of(func)
     try:
         out = func(*host_args, **host_kwargs)
@@ -244,16 +251,27 @@ def _follow_host_metadata(plan: OpPlan, result) -> None:
 def _restride(plan: OpPlan, tensor: NeuronTensor) -> None:
     data = tensor._data
     DEVICE.cores[tensor._core].hbm.track(data)  # resize_ and set_ may have put it on another host storage
-    try:
-        # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that,
-        # within the extent (elements spanned) the wrapper was created with.
-        with torch._C._DisableTorchDispatch():
-            torch.ops.aten.as_strided_(tensor, data.size(), data.stride(), data.storage_offset())
-    except RuntimeError:
-        data.as_strided_(tensor.size(), tensor.stride(), tensor.storage_offset())  # keep the two in step
-        raise DeviceError(f"{plan.name}: a neuron tensor cannot grow in place beyond the elements it was "
-                          f"created with (to {tuple(data.shape)} from {tuple(tensor.shape)}); create it "
-                          "with its final size (e.g. for out=) or use the out-of-place form") from None
+    # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that, within
+    # the extent (bytes spanned) of the wrapper's storage; an op that grew the host buffer (set_
+    # onto a larger tensor, resize_) first gets a wrapper storage as large as the new buffer.
+    with torch._C._DisableTorchDispatch():
+        if data.untyped_storage().nbytes() > torch.Tensor.untyped_storage(tensor).nbytes():
+            _grow_wrapper_storage(tensor, data)
+        torch.ops.aten.as_strided_(tensor, data.size(), data.stride(), data.storage_offset())
+
+
+def _grow_wrapper_storage(tensor: NeuronTensor, data: torch.Tensor) -> None:
+    """Point the wrapper at a fresh wrapper storage of data's storage's size. The CPU kernel of
+    set_ edits only the wrapper's TensorImpl (its device check compares the wrapper's neuron
+    device with the storage's, equal); the data pointer stays null, as every wrapper's."""
+    nbytes = data.untyped_storage().nbytes()
+    donor = torch.Tensor._make_wrapper_subclass(NeuronTensor, (nbytes,), dtype=torch.uint8, device=tensor.device)
+    storage = torch.Tensor.untyped_storage(donor)
+    torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _HOST_KERNEL, tensor, storage, data.storage_offset(), data.size(), data.stride())
+
+
+_HOST_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) -> None:
