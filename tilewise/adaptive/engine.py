@@ -79,7 +79,13 @@ def explain(region: str | None = None, passes: bool = False) -> str:
             raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}")
         entries = chosen
     return "\n\n".join(f"# {e.name}: {e.ops} ops, {e.runs} runs, {e.kernels} launches per run\n"
-                       + (str(e.compiled) if passes else e.compiled.passes_text[-1]) for e in entries)
+                       + (str(e.compiled) if passes else _final_text(e.compiled)) for e in entries)
+
+
+def _final_text(compiled) -> str:
+    """The region after its last pass, and its kernels' C (printed by the pass that made it)."""
+    native = getattr(compiled, "native", None)
+    return compiled.passes_text[-1] + (f"\n\n{native}" if native is not None else "")
 
 
 def reset_caches() -> None:

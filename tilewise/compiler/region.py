@@ -66,7 +66,7 @@ class Region:
                          f"{launch.hbm_bytes} HBM bytes, {launch.flops} flops")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")
-        if self.native is not None:
+        if self.native is not None and self.pass_name == "emit":  # the C once, where it was made
             lines.append("")
             lines.append(str(self.native))
         return "\n".join(lines)
