@@ -42,11 +42,8 @@ def test_compiler_pass_failure_falls_back_to_eager_with_reason(failing_pass, mon
     def boom(*args, **kwargs):
         raise RuntimeError(f"injected failure in {failing_pass}")
 
-    if failing_pass == "decompose":
-        monkeypatch.setattr(driver, "decompose", boom)
-    else:
-        monkeypatch.setattr(driver, "PASSES", tuple((name, boom if name == failing_pass else fn)
-                                                    for name, fn in driver.PASSES))
+    monkeypatch.setattr(driver, "PASSES", tuple((name, boom if name == failing_pass else fn)
+                                                for name, fn in driver.PASSES))
     x, w = torch.randn(129, 7).to("neuron"), torch.randn(7, 5).to("neuron")
     with tilewise.engine(mode="adaptive", threshold=2):
         for _ in range(4):

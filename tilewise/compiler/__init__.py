@@ -1,6 +1,7 @@
 """Region graph -> fusion groups -> tile IR -> memory plan -> executable kernels, plus the tile
 interpreter and the torch.compile backend."""
-from .driver import COMPILER_VERSION, PASSES, CompiledRegion, compile_graph
+from .driver import COMPILER_VERSION, PASSES, CompiledRegion
+from .entry import compile_graph
 from .memory_plan import check_launch_limits, check_tile_limits
 
 __all__ = ["COMPILER_VERSION", "PASSES", "CompiledRegion", "check_launch_limits", "check_tile_limits", "compile_graph"]

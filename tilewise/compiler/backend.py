@@ -14,7 +14,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
 from ..device.runtime import DEVICE
-from .driver import compile_graph
+from .entry import compile_graph
 
 
 class BackendStats:

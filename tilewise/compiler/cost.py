@@ -132,7 +132,8 @@ def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> LaunchCost:
     return LaunchCost(kernel.name, engine, kernel_seconds(spec, engine, hbm, work, dtype), hbm, flops)
 
 
-def estimate_cost(region: Region, spec: DeviceSpec) -> Region:
+def estimate_cost(region: Region) -> Region:
+    spec = region.spec
     nodes = {n.name: n for n in region.gm.graph.nodes}
     cost = tuple(launch_cost(launch, nodes, spec) for launch in region.launches)
     return region.replace(pass_name="cost", cost=cost)

@@ -270,7 +270,8 @@ def _expand_exactly(x: torch.Tensor, size, implicit: bool = False) -> torch.Tens
     return aten.view.default(x, [1] * new_dims + list(x.shape))
 
 
-def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
+def decompose(region: Region) -> Region:
+    gm, example_inputs, name = region.gm, region.example_inputs, region.name
     flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(host_factories(flat_module(gm)))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
@@ -287,4 +288,4 @@ def decompose(gm: torch.fx.GraphModule, example_inputs, name: str) -> Region:
                            "it runs eagerly") from error
     traced.graph.eliminate_dead_code()
     traced.recompile()
-    return Region(pass_name="decompose", gm=traced, name=name)
+    return region.replace(pass_name="decompose", gm=traced, example_inputs=())

@@ -5,7 +5,6 @@ import time
 
 import torch
 
-from ..config import config
 from ..device.spec import DeviceSpec
 from .cost import estimate_cost
 from .decompose import decompose
@@ -20,8 +19,10 @@ from .schedule import schedule
 
 COMPILER_VERSION = "tilewise-compiler-2"
 
+# The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
+# example inputs travel in it).
 PASSES = (
-    ("decompose", None),          # PyTorch decompositions + functionalization (needs example inputs)
+    ("decompose", decompose),     # PyTorch decompositions + functionalization, traced on the example inputs
     ("partition", partition),     # fusion groups
     ("lower", lower),             # tile IR per group
     ("memory_plan", memory_plan), # SBUF/PSUM fit, tile-limit check
@@ -29,7 +30,6 @@ PASSES = (
     ("emit", emit),               # host code: the kernels as C, beside the PyTorch executable
     ("cost", estimate_cost),      # per-launch simulated cost
 )
-_NEED_SPEC = (lower, memory_plan, schedule, estimate_cost)
 
 
 class CompiledRegion:
@@ -110,50 +110,12 @@ class CompiledRegion:
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> tuple[Region, list[str]]:
-    region = decompose(gm, example_inputs, name)
-    texts = [str(region)]
-    for _, pass_fn in PASSES[1:]:
-        region = pass_fn(region, spec) if pass_fn in _NEED_SPEC else pass_fn(region)
+    region = Region(pass_name="input", gm=gm, name=name, spec=spec, example_inputs=tuple(example_inputs))
+    texts = []
+    for _, pass_fn in PASSES:
+        region = pass_fn(region)
         texts.append(str(region))
     return region, texts
-
-
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | None = None,
-                  name: str = "region") -> CompiledRegion:
-    from . import cache
-    if spec is None:
-        from ..device.runtime import DEVICE
-        spec = DEVICE.spec
-    _check_arguments(gm, example_inputs, spec, name)
-    compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
-    if config.host_backend == "native":
-        compiled.arm_native()
-    return compiled
-
-
-def _check_arguments(gm, example_inputs, spec, name) -> None:
-    """Bad arguments are ConfigErrors that say what was expected, before any pass runs; a graph
-    no tile program can express is a CompileError."""
-    from ..errors import CompileError, ConfigError
-    if not isinstance(gm, torch.fx.GraphModule):
-        raise ConfigError(f"compile_graph expects a torch.fx.GraphModule (e.g. from make_fx); got {type(gm).__name__}")
-    if not isinstance(example_inputs, (list, tuple)):
-        raise ConfigError(f"compile_graph expects example_inputs as a list or tuple; got {type(example_inputs).__name__}")
-    bad = [type(v).__name__ for v in example_inputs if not isinstance(v, (torch.Tensor, int, float, bool, torch.SymInt))]
-    if bad:
-        raise ConfigError(f"example_inputs must be tensors or numbers; got {', '.join(bad)}")
-    placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
-    if placeholders != len(example_inputs):
-        raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
-    dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
-                      and torch.Tag.dynamic_output_shape in n.target.tags})
-    if dynamic:
-        raise CompileError(f"the graph has ops whose output shape depends on data ({', '.join(dynamic)}): "
-                           "tile programs need static shapes; run them eagerly")
-    if not isinstance(spec, DeviceSpec):
-        raise ConfigError(f"spec must be a DeviceSpec (tilewise.device.PRESETS: trn2, trn3) or None; got {spec!r}")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"name must be a non-empty string; got {name!r}")
 
 
 def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> CompiledRegion:

@@ -412,7 +412,8 @@ def default_free(group: Group) -> int:
     return max(p.domain[1] for p in parts)
 
 
-def lower(region: Region, spec: DeviceSpec) -> Region:
+def lower(region: Region) -> Region:
+    spec = region.spec
     nodes = {n.name: n for n in region.gm.graph.nodes}
     kernels = tuple(opaque_kernel(g, nodes) if g.kind == "opaque" else
                     lower_group(g, nodes, spec, default_free(g)) for g in region.groups)

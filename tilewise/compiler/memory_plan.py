@@ -85,7 +85,8 @@ def _singletons(group: Group, nodes: dict, next_id: int) -> list[Group]:
     return out
 
 
-def memory_plan(region: Region, spec: DeviceSpec) -> Region:
+def memory_plan(region: Region) -> Region:
+    spec = region.spec
     nodes = {n.name: n for n in region.gm.graph.nodes}
     groups, kernels, refused = [], [], list(region.refused)
     pending = list(region.groups)

@@ -40,6 +40,8 @@ class Region:
     refused: tuple = ()              # (node or group name, reason)
     cost: tuple = ()                 # (kernel name, engine, seconds, hbm bytes, flops)
     native: object = None            # the emit pass's NativeProgram: the kernels as C, the ones kept on PyTorch
+    spec: object = None              # the DeviceSpec the passes compile for
+    example_inputs: tuple = ()       # what decompose traces with (dropped after it)
 
     def replace(self, **changes) -> "Region":
         return replace(self, **changes)

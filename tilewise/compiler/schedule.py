@@ -21,7 +21,8 @@ from .region import Region
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
-def schedule(region: Region, spec: DeviceSpec) -> Region:
+def schedule(region: Region) -> Region:
+    spec = region.spec
     unit_of = {name: kernel.name for kernel in region.kernels for name in kernel.nodes}
     late = frozenset(k.name for k in region.kernels if k.kind == "opaque")
     gm = contiguous_order(region.gm, unit_of, late)

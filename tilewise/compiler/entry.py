@@ -1,0 +1,47 @@
+"""The compiler's entry point: check the arguments, compile through the cache (memory, then disk,
+then the passes), and arm the region's native tier."""
+from __future__ import annotations
+
+import torch
+
+from ..config import config
+from ..device.spec import DeviceSpec
+from ..errors import CompileError, ConfigError
+from . import cache
+from .driver import CompiledRegion
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | None = None,
+                  name: str = "region") -> CompiledRegion:
+    if spec is None:
+        from ..device.runtime import DEVICE
+        spec = DEVICE.spec
+    _check_arguments(gm, example_inputs, spec, name)
+    compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
+    if config.host_backend == "native":
+        compiled.arm_native()
+    return compiled
+
+
+def _check_arguments(gm, example_inputs, spec, name) -> None:
+    """Bad arguments are ConfigErrors that say what was expected, before any pass runs; a graph
+    no tile program can express is a CompileError."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise ConfigError(f"compile_graph expects a torch.fx.GraphModule (e.g. from make_fx); got {type(gm).__name__}")
+    if not isinstance(example_inputs, (list, tuple)):
+        raise ConfigError(f"compile_graph expects example_inputs as a list or tuple; got {type(example_inputs).__name__}")
+    bad = [type(v).__name__ for v in example_inputs if not isinstance(v, (torch.Tensor, int, float, bool, torch.SymInt))]
+    if bad:
+        raise ConfigError(f"example_inputs must be tensors or numbers; got {', '.join(bad)}")
+    placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+    if placeholders != len(example_inputs):
+        raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
+    dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+                      and torch.Tag.dynamic_output_shape in n.target.tags})
+    if dynamic:
+        raise CompileError(f"the graph has ops whose output shape depends on data ({', '.join(dynamic)}): "
+                           "tile programs need static shapes; run them eagerly")
+    if not isinstance(spec, DeviceSpec):
+        raise ConfigError(f"spec must be a DeviceSpec (tilewise.device.PRESETS: trn2, trn3) or None; got {spec!r}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name must be a non-empty string; got {name!r}")
