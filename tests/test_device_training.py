@@ -24,8 +24,11 @@ def test_backward_runs_on_the_autograd_device_thread_and_matches_cpu():
     (x.to("neuron") @ wn).tanh().sum().backward()
     assert len(seen) == 1
     thread, grad_type, grad_device = seen[0]
-    # A non-CPU device's backward runs on the engine's worker thread for that device.
-    assert thread != threading.get_ident()
+    # A non-CPU device's backward runs on the engine's worker thread for that device, unless a core
+    # other than neuron:0 holds memory (then on the calling thread: tilewise.device.backend says why;
+    # torch.compile's caches keep an earlier test's neuron:1 example input alive)
+    from tilewise.device.runtime import DEVICE
+    assert thread != threading.get_ident() or DEVICE.beyond_first_core
     assert grad_type is NeuronTensor and grad_device == NEURON
     assert wn.grad.device == NEURON
     torch.testing.assert_close(wn.grad.cpu(), w.grad)

@@ -154,20 +154,32 @@ def _warn_once(message: str) -> None:
 
 # -- the disk: key and directory -------------------------------------------------------------------
 
-def _open_disk() -> _Disk | None:
+class Location(NamedTuple):
+    """Where the disk cache is: its directory and the key file authenticating its entries."""
+    directory: str
+    key_file: str
+
+
+def location() -> Location:
+    """The disk cache the settings name now. Work that finishes later on another thread (a native
+    build) takes it along, so it never reads or writes a cache that settings changed to since."""
+    return Location(config.cache_dir, config.cache_key_file)
+
+
+def _open_disk(where: Location | None = None) -> _Disk | None:
     """The cache directory and key, checked; None (memory only, with a warning) when either is
     unusable or untrusted."""
-    directory = config.cache_dir
+    directory, key_file = where or location()
     try:
-        _check_key_outside(config.cache_key_file, directory)
-        secret = _secret(config.cache_key_file)
+        _check_key_outside(key_file, directory)
+        secret = _secret(key_file)
         return _Disk(directory, _private_directory(directory), secret)
     except Untrusted as error:
         stats.untrusted += 1
         _warn_once(f"tilewise: {error}; the compile cache is kept in memory only")
     except OSError as error:
         stats.disk_errors += 1
-        _warn_once(f"tilewise: compile cache directory {directory} or key {config.cache_key_file} is unusable "
+        _warn_once(f"tilewise: compile cache directory {directory} or key {key_file} is unusable "
                    f"({error}); caching in memory only")
     return None
 
@@ -426,9 +438,9 @@ def _native_name(key: str) -> str:
     return f"{key}.so.twn"
 
 
-def load_native(key: str) -> bytes | None:
+def load_native(key: str, where: Location) -> bytes | None:
     """The authenticated bytes of the native library `key` from the disk cache, or None."""
-    disk = _open_disk()
+    disk = _open_disk(where)
     if disk is None:
         return None
     path = os.path.join(disk.directory, _native_name(key))
@@ -456,9 +468,9 @@ def load_native(key: str) -> bytes | None:
     return library
 
 
-def store_native(key: str, library: bytes) -> None:
+def store_native(key: str, library: bytes, where: Location) -> None:
     """Keep the library's bytes with their HMAC, written atomically; a failure costs the cache only."""
-    disk = _open_disk()
+    disk = _open_disk(where)
     if disk is None:
         return
     try:

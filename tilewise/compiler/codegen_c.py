@@ -53,6 +53,7 @@ class NativeReason(enum.Enum):
     LAYOUT = "layout"              # a tile axis or HBM view the emitter does not index
     MATMUL_ON_BLAS = "matmul_on_blas"  # matmul kernels run PyTorch's mm (faster than the C loop)
     EMITTER_ERROR = "emitter_error"    # the emitter failed on the kernel (a bug, shown where the region prints)
+    SUMMATION_ORDER = "summation_order"  # a float sum, mean, var or prod: CPU's own order rounds otherwise
 
 
 class Unsupported(Exception):
@@ -476,6 +477,10 @@ class KernelWriter:
         name, bound = op_name(target), _bind(target, args, kwargs)
         if name not in COMBINE:
             raise Unsupported(NativeReason.OP, f"reduction {target} has no C translation")
+        if op.dtype.is_floating_point and name not in ("amax", "amin"):
+            # CPU reduces a float row in its own cascade of float partial sums; any other order (these
+            # lanes, double accumulation) is an ulp off where CPU's result is deterministic
+            raise Unsupported(NativeReason.SUMMATION_ORDER, f"float {name} keeps CPU's kernel")
         src = op.srcs[0]
         out_type = c_type(op.dtype)
         accumulate = out_type if name in ("amax", "amin") or not op.dtype.is_floating_point else "double"

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import config
 from ..errors import CompileError
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
 from .tile_ir import Launch
@@ -149,18 +148,20 @@ _libraries: dict[str, ctypes.PyDLL] = {}
 _library_lock = threading.Lock()
 
 
-def load(source: str) -> ctypes.PyDLL:
-    """The loaded library for `source`: from memory, the disk cache, or built now."""
+def load(source: str, where=None) -> ctypes.PyDLL:
+    """The loaded library for `source`: from memory, the disk cache at `where` (a cache.Location;
+    None: where the settings say now), or built now."""
     from . import cache
+    where = where or cache.location()
     key = library_key(source)
     with _library_lock:
         if key in _libraries:
             return _libraries[key]
-    data = cache.load_native(key) if config.cache_dir else None
+    data = cache.load_native(key, where) if where.directory else None
     if data is None:
         data = build(source)
-        if config.cache_dir:
-            cache.store_native(key, data)
+        if where.directory:
+            cache.store_native(key, data, where)
     library = _open_bytes(data, key)
     with _library_lock:
         return _libraries.setdefault(key, library)
@@ -283,6 +284,7 @@ class HostExecutable:
         self.ready = threading.Event()
         self.ready.set()
         self.runs_to_build = 0  # armed: runs left before the background build starts
+        self.where = None  # the disk cache a started build reads and writes (cache.Location)
 
     def arm(self) -> None:
         """Build the native executable once the region has run NATIVE_AFTER_RUNS times: a region
@@ -310,13 +312,15 @@ class HostExecutable:
             self._fail(f"tilewise: no C compiler ({C_COMPILER!r}) found; compiled regions run their PyTorch "
                        f"executable (host_backend=native needs one)")
             return
+        from . import cache
+        self.where = cache.location()  # the cache of the block that asked for the build
         self.tier = Tier.COMPILING
         self.ready.clear()
         _worker().put(self)
 
     def build_now(self) -> None:
         try:
-            library = load(self.program.source)
+            library = load(self.program.source, self.where)
             native = executable(self.gm, self.program, library)
         except (CompileError, OSError, AttributeError) as error:
             self._fail(f"tilewise: native host code could not be built ({error}); the region keeps its "

@@ -138,7 +138,6 @@ def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     tensor._data = data
     if core:
         tensor._core = core
-        DEVICE.beyond_first_core = True
     if data.is_conj() or data.is_neg():
         _mirror_math_bits(tensor, data)
     return tensor
