@@ -769,14 +769,16 @@ def op_set_copy(b, out, a):
     """set_ and copy_ of a pending value into another tensor, then the source changed or read."""
     t = b.tensor(a)
     form = b.draw(st.sampled_from(["set_same", "set_empty", "copy_fresh", "copy_then_write"]))
+    # zeros_like, not empty_like: an interrupt may land between the two statements, and the value a
+    # user then reads must be defined on CPU too for the oracle to compare it
     if form == "set_same":   # a tensor of the same size re-pointed at a pending result
-        return _flush_after(b, f"{out} = torch.empty_like({a}); {out}.set_({a} * 2)")
+        return _flush_after(b, f"{out} = torch.zeros_like({a}); {out}.set_({a} * 2)")
     if form == "set_empty":  # `torch.empty(0).set_(x)`, the usual way to alias a storage
         return _flush_after(b, f"{out} = torch.empty(0, dtype={a}.dtype, device={a}.device); {out}.set_({a} + 1)")
     if form == "copy_fresh":
         return _flush_after(b, f"{out} = torch.zeros_like({a}); {out}.copy_({a} * 2)")
     # the copy must keep the value the source had when copied
-    return _flush_after(b, f"{out} = torch.empty_like({a}); {out}.copy_({a}); {a}.mul_({_const(b, t)})")
+    return _flush_after(b, f"{out} = torch.zeros_like({a}); {out}.copy_({a}); {a}.mul_({_const(b, t)})")
 
 
 def op_swap(b, out, a):
