@@ -248,7 +248,7 @@ class Interrupter:
     when armed, raises KeyboardInterrupt before step `at` runs or just after it. "Just after" is
     between that step and the next: a Ctrl-C is only delivered between a flush's steps
     (adaptive/interrupts.py), never after a step's work and before its return, so it fires as the
-    next step starts. Wraps runtime._replay and CompiledEntry.run from outside."""
+    next step starts. Wraps regions.replay and CompiledEntry.run from outside."""
 
     def __init__(self):
         self.steps, self.at, self.before, self.fired = 0, None, True, False
@@ -268,16 +268,16 @@ class Interrupter:
         raise KeyboardInterrupt(f"fuzz: interrupted at engine step {self.at}")
 
     def __enter__(self):
-        from tilewise.adaptive import regions, runtime
-        self.saved = runtime._replay, regions.CompiledEntry.run
+        from tilewise.adaptive import regions
+        self.saved = regions.replay, regions.CompiledEntry.run
         replay, run = self.saved
-        runtime._replay = lambda node: self._step(replay, node)
+        regions.replay = lambda node: self._step(replay, node)
         regions.CompiledEntry.run = lambda entry, segment, region: self._step(run, entry, segment, region)
         return self
 
     def __exit__(self, *exc):
-        from tilewise.adaptive import regions, runtime
-        runtime._replay, regions.CompiledEntry.run = self.saved
+        from tilewise.adaptive import regions
+        regions.replay, regions.CompiledEntry.run = self.saved
 
 
 @dataclass

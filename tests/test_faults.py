@@ -9,7 +9,6 @@ import torch
 import tilewise
 from tilewise.adaptive import RUNTIME
 from tilewise.adaptive import regions as adaptive_regions
-from tilewise.adaptive import runtime as adaptive_runtime
 from tilewise.compiler import cache, driver
 from tilewise.device.runtime import DEVICE
 
@@ -135,7 +134,7 @@ def test_keyboard_interrupt_during_flush_leaves_tensors_and_engine_usable(where,
         if where == "compiled region":
             state = _interrupt_once(monkeypatch, adaptive_regions.CompiledEntry, "run")
         else:
-            state = _interrupt_once(monkeypatch, adaptive_runtime, "_replay")
+            state = _interrupt_once(monkeypatch, adaptive_regions, "replay")
             x2 = x[:5]  # a new segment: eager while warming up
         with pytest.raises(KeyboardInterrupt):
             y = step(x, w) if where == "compiled region" else (x2 * 3).sum(0)

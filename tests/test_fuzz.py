@@ -98,16 +98,16 @@ def test_a_value_the_engine_never_writes_is_caught_as_poison(monkeypatch):
     """Skip every replayed node (adaptive mode's first, warm-up run replays them one by one): with
     poisoned buffers the result reads as NaN, not as the zeros a fresh allocation often holds, and
     the checker says so."""
-    from tilewise.adaptive import runtime
-    monkeypatch.setattr(runtime, "_replay", lambda node: None)
+    from tilewise.adaptive import regions
+    monkeypatch.setattr(regions, "replay", lambda node: None)
     program = fuzzing.Program(inputs=[((4, 4), "float32", False)], lines=["v0 = x0 * 0"], outputs=["v0"])
     with pytest.raises(fuzzing.Mismatch, match="adaptive mode, iteration 0"):
         fuzzing.check(program, modes=("adaptive",), features=fuzzing.Features.parse("poison"))
 
 
 def test_an_injected_interrupt_leaves_the_flush_and_the_engine_restored():
-    from tilewise.adaptive import regions, runtime
-    originals = runtime._replay, regions.CompiledEntry.run
+    from tilewise.adaptive import regions
+    originals = regions.replay, regions.CompiledEntry.run
     with tilewise.engine(mode="adaptive"), fuzzing.Interrupter() as interrupter:
         x = torch.ones(3, device="neuron")
         y = x + 1
@@ -117,7 +117,7 @@ def test_an_injected_interrupt_leaves_the_flush_and_the_engine_restored():
         assert interrupter.fired
         interrupter.arm(None)
         del y
-    assert (runtime._replay, regions.CompiledEntry.run) == originals
+    assert (regions.replay, regions.CompiledEntry.run) == originals
 
 
 def test_a_float64_rerun_that_cannot_run_is_no_reference():

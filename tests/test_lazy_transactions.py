@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tilewise
-from tilewise.adaptive import runtime as runtime_module
+from tilewise.adaptive import regions as regions_module
 from tilewise.adaptive.regions import CompiledEntry
 
 
@@ -45,7 +45,7 @@ def test_an_interrupt_at_any_node_of_an_eager_flush_leaves_the_rest_pending_not_
     expected = _program(x_cpu)
     with tilewise.engine(mode="adaptive"):
         held = _program(x_cpu.to("neuron"))
-        calls = _inject_at(monkeypatch, runtime_module, "_replay", at, error)
+        calls = _inject_at(monkeypatch, regions_module, "replay", at, error)
         with pytest.raises(type(error)):
             held[-1].sum().item()
         monkeypatch.undo()
@@ -95,7 +95,7 @@ def test_ctrl_c_during_a_flush_arrives_after_it_with_every_value_computed():
 
     x_cpu = torch.randn(5)
     expected = _program(x_cpu)
-    original = runtime_module._replay
+    original = regions_module.replay
     sent = []
 
     def replay_and_signal(node):
@@ -108,12 +108,12 @@ def test_ctrl_c_during_a_flush_arrives_after_it_with_every_value_computed():
         pass
     with tilewise.engine(mode="adaptive"):
         held = _program(x_cpu.to("neuron"))
-        runtime_module._replay = replay_and_signal
+        regions_module.replay = replay_and_signal
         try:
             with pytest.raises(KeyboardInterrupt):
                 held[-1].sum().item()
         finally:
-            runtime_module._replay = original
+            regions_module.replay = original
         values = [t.cpu() for t in held]
     assert sent
     for value, want in zip(values, expected):

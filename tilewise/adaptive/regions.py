@@ -14,6 +14,8 @@ import torch
 import torch.fx
 
 from ..device.runtime import DEVICE
+from ..eager.executor import run_host
+from ..errors import TilewiseError
 from . import scalars
 from .analysis import storages
 from .segment import FUNCTIONAL, VIEW, Segment
@@ -257,3 +259,24 @@ def root_of(segment: Segment, value):
     if node.kind == VIEW:
         return node.roots[value[1]]
     return value
+
+
+def replay(node) -> None:
+    """Run one recorded node eagerly on its buffers, its outputs checked against what was recorded."""
+    if node.kind == VIEW:
+        return  # taken on the real buffers at record time
+    out = run_host(node.func, node.args, node.kwargs, node.core)
+    if node.kind == FUNCTIONAL:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for buffer, value in zip(node.outs, outs):
+            if buffer is None and value is None:
+                continue  # an output the op was asked not to compute (convolution_backward's mask)
+            if buffer is None or value is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
+                raise TilewiseError(
+                    f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
+                    f"{_layout(value)}; please report this as a tilewise bug")
+            store(buffer, value)
+
+
+def _layout(tensor) -> str:
+    return "None" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}"

@@ -22,17 +22,16 @@ import torch
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
-from ..eager.executor import check_device, execute, run, run_host
+from ..eager.executor import check_device, execute, run
 from ..eager.plan import is_random, plan_of
-from ..errors import TilewiseError
-from . import analysis, events, interrupts, scalars
+from . import analysis, events, interrupts, regions, scalars
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
 from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
-                      needed_values, store)
+                      needed_values)
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
-from .segment import FUNCTIONAL, VIEW, Segment, Unrecordable, fill_failed, without_floats
+from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
 
 aten = torch.ops.aten
@@ -142,9 +141,9 @@ class Runtime:
         """Keep a segment on one core: an op on another core flushes the segment first and starts
         a new one there; an op on two cores (a transfer, or PyTorch's same-device error) runs
         eagerly."""
-        cores = _cores_of(args, set())
+        cores = {t._core for t in _device_tensors(args)}
         if kwargs:
-            _cores_of(kwargs.values(), cores)  # out=, and tensors passed by name
+            cores.update(t._core for t in _device_tensors(kwargs.values()))  # out=, tensors passed by name
             device = kwargs.get("device")
             if device is not None and names_neuron(device):
                 cores.add(check_device(device).index)
@@ -439,7 +438,7 @@ class Runtime:
         if isinstance(step, NodeStep):
             node = segment.nodes[step.index]
             if node.kind != VIEW:  # a view was taken at record time: no op runs now
-                _replay(node)
+                regions.replay(node)
                 self.stats.ops_eager += 1
             return
         region, entry = step.region, step.entry
@@ -469,42 +468,12 @@ def _every_node(segment: Segment) -> list[NodeStep]:
     return [NodeStep(i) for i in range(len(segment.nodes))]
 
 
-def _replay(node) -> None:
-    if node.kind == VIEW:
-        return  # taken on the real buffers at record time
-    out = run_host(node.func, node.args, node.kwargs, node.core)
-    if node.kind == FUNCTIONAL:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for buffer, value in zip(node.outs, outs):
-            if buffer is None and value is None:
-                continue  # an output the op was asked not to compute (convolution_backward's mask)
-            if buffer is None or value is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
-                raise TilewiseError(
-                    f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
-                    f"{_layout(value)}; please report this as a tilewise bug")
-            store(buffer, value)
-
-
-def _layout(tensor) -> str:
-    return "None" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}"
-
-
 def _flat(values):
     for value in values:
         if type(value) is list or type(value) is tuple:
             yield from _flat(value)
         else:
             yield value
-
-
-def _cores_of(values, cores: set) -> set:
-    """The cores of the device tensors among `values` (nested lists and tuples included)."""
-    for value in values:
-        if isinstance(value, NeuronTensor):
-            cores.add(value._core)
-        elif type(value) is list or type(value) is tuple:
-            _cores_of(value, cores)
-    return cores
 
 
 def _device_tensors(values):

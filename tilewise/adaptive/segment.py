@@ -211,7 +211,7 @@ class Segment:
         node.kind = FUNCTIONAL
         # A float's value decides no output's shape, strides or dtype (its type does), except
         # where floats are sizes: one entry serves every value, so a changing float (a schedule, a
-        # step counter) makes no new signature each step. `_replay` holds the real result to it.
+        # step counter) makes no new signature each step. `regions.replay` holds the real result to it.
         signature = float_free if float_free is not None and not _sizes_from_floats(node) else node.local
         metas = meta_cache.get(signature)
         if metas is None:

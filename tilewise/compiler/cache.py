@@ -374,27 +374,39 @@ def _store(disk: _Disk, key: str, compiled: CompiledRegion) -> None:
     stats.disk_writes += 1
 
 
-def _load(disk: _Disk, key: str, spec) -> CompiledRegion | None:
-    """The entry for `key` if there is one that passes every check; None (recompile) otherwise."""
-    path = disk.path(key)
+def _read_authenticated(disk: _Disk, name: str, what: str, instead: str) -> bytes | None:
+    """The HMAC-verified payload of the cache file `name`; None when it is missing, or (counted,
+    warned once, `instead` said) refused, unreadable, or not verified under this user's key."""
+    path = os.path.join(disk.directory, name)
     try:
-        data = _read(_open_private_file(disk.fd, _entry_name(key), path))
+        data = _read(_open_private_file(disk.fd, name, path))
     except FileNotFoundError:
         return None
     except Untrusted as error:
         stats.untrusted += 1
-        _warn_once(f"tilewise: compile cache entry refused: {error}; recompiling")
+        _warn_once(f"tilewise: {what} refused: {error}; {instead}")
         return None
-    except OSError as error:  # unreadable (a directory in its place, permissions): recompile
+    except OSError as error:  # unreadable (a directory in its place, permissions)
         stats.corrupt += 1
-        _warn_once(f"tilewise: could not read compile cache entry {path}: {error}; recompiling")
+        _warn_once(f"tilewise: could not read {what} {path}: {error}; {instead}")
         return None
     payload = _authenticated(data, disk.secret)
-    compiled = _decode(payload, key, spec) if payload is not None else None
+    if payload is None:
+        stats.corrupt += 1
+        _warn_once(f"tilewise: {what} {path} is corrupt, truncated, or not written with this user's key; {instead}")
+    return payload
+
+
+def _load(disk: _Disk, key: str, spec) -> CompiledRegion | None:
+    """The entry for `key` if there is one that passes every check; None (recompile) otherwise."""
+    payload = _read_authenticated(disk, _entry_name(key), "compile cache entry", "recompiling")
+    if payload is None:
+        return None
+    compiled = _decode(payload, key, spec)
     if compiled is None:
         stats.corrupt += 1
-        _warn_once(f"tilewise: compile cache entry {path} is corrupt, truncated, or not written with this "
-                   f"user's key; recompiling")
+        _warn_once(f"tilewise: compile cache entry {disk.path(key)} is corrupt, truncated, or not written with "
+                   f"this user's key; recompiling")
         return None
     stats.disk_hits += 1
     return compiled
@@ -443,26 +455,11 @@ def load_native(key: str, where: Location) -> bytes | None:
     disk = _open_disk(where)
     if disk is None:
         return None
-    path = os.path.join(disk.directory, _native_name(key))
     try:
-        data = _read(_open_private_file(disk.fd, _native_name(key), path))
-    except FileNotFoundError:
-        return None
-    except Untrusted as error:
-        stats.untrusted += 1
-        _warn_once(f"tilewise: native library refused: {error}; compiling it again")
-        return None
-    except OSError as error:
-        stats.corrupt += 1
-        _warn_once(f"tilewise: could not read native library {path}: {error}; compiling it again")
-        return None
+        library = _read_authenticated(disk, _native_name(key), "native library", "compiling it again")
     finally:
         os.close(disk.fd)
-    library = _authenticated(data, disk.secret)
     if library is None:
-        stats.corrupt += 1
-        _warn_once(f"tilewise: native library {path} is corrupt, truncated, or not written with this user's key; "
-                   f"compiling it again")
         return None
     stats.native_disk_hits += 1
     return library
