@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .tile_ir import Kernel, Launch, op_name
+from .tile_ir import Kernel, Launch, printed_name
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def format_graph(graph: torch.fx.Graph, note_of=None) -> list[str]:
             text = f"{node.name} = constant {node.target}"
         else:
             args = ", ".join([str(a) for a in node.args] + [f"{k}={v}" for k, v in node.kwargs.items()])
-            text = f"{node.name} = {op_name(node.target)}({args})"
+            text = f"{node.name} = {printed_name(node.target)}({args})"
         note = note_of(node) if note_of else ""
         lines.append(f"  {text:<72} # {note}" if note else f"  {text}")
     return lines

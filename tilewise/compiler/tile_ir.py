@@ -188,7 +188,7 @@ def format_op(op: TileOp) -> str:
         target, args, kwargs = op.arg
         text = ", ".join([_arg_text(a, op.srcs) for a in args] +
                          [f"{k}={_arg_text(v, op.srcs)}" for k, v in kwargs.items()])
-        return f"{op.name} = {op.op.value} {op_name(target)}({text})"
+        return f"{op.name} = {op.op.value} {printed_name(target)}({text})"
     if op.op is Ops.MATMUL:
         acc, lhs_t, rhs = op.srcs
         return f"{acc.name} += matmul({lhs_t.name}.T, {rhs.name})"
@@ -196,7 +196,7 @@ def format_op(op: TileOp) -> str:
     return f"{op.name} = {op.op.value}({srcs})"
 
 
-def op_name(target) -> str:
+def printed_name(target) -> str:
     return str(target).replace("aten::", "aten.")
 
 
