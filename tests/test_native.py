@@ -113,6 +113,15 @@ def test_float_sums_keep_cpus_kernel_and_its_rounding(fn):
     torch.testing.assert_close(compiled.run(x.clone())[0], fn(x))
 
 
+def test_reduction_of_a_width_one_input_fused_with_a_wider_epilogue_reads_its_own_width():
+    """sum over a [1] diagonal added to a [1, 48] tensor: the fused group is 48 wide, the summed
+    input one wide (found by the fuzzer: the reduction read 48 elements of a one-element view)."""
+    x = torch.randint(-9, 9, (1, 48))
+    check(lambda x: x + x.diagonal().sum(), [x], exact=True, kernels=1)
+    r = torch.randint(-9, 9, (6, 1))
+    check(lambda r, y: y * r.sum(-1, keepdim=True), [r, torch.randint(-9, 9, (6, 32))], exact=True, kernels=1)
+
+
 def test_embedding_gather_scatter_cat_and_index_put_run_in_c():
     w, idx = torch.randn(10, 8), torch.tensor([1, 9, 0, 9])
     check(lambda w, i: F.embedding(i, w) * 2, [w, idx], exact=True, kernels=1)

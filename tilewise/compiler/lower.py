@@ -143,8 +143,11 @@ class _Loop:
         """A tile of `value` (from outside the group) broadcast to the shape `user` computes."""
         target = shape(user)
         value_shape = shape(value)
-        if category(user) == "reduction":  # a reduction reads its whole input, as full rows
-            return self.load_as(value, value_shape, self.group.domain[1] == 1)
+        if category(user) == "reduction":
+            # a reduction reads its whole input as full rows, as wide as its input: an input one
+            # wide is a row tile even where the group's epilogue is wider (x + x[:1].sum())
+            return self.load_as(value, value_shape, self.group.domain[1] == 1 or not value_shape
+                                or value_shape[-1] == 1)
         row = self.is_row(user) or not value_shape or value_shape[-1] == 1 or not target
         view = (target[:-1] + (1,) if not self.is_row(user) and target else target) if row else target
         return self.load_as(value, view, row)
