@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import ConfigError
-from .policy import Mode
+from .policy import Mode, Settings
 from .regions import CompiledEntry
 from .runtime import ENGINE_EXITED, Runtime
 from .stats import Stats
@@ -25,33 +25,22 @@ class engine:
     def __init__(self, mode: str | None = None, threshold: int | None = None):
         self.mode = Mode(config.validate("mode", mode) if mode is not None else config.mode)
         self.threshold = config.validate("threshold", threshold) if threshold is not None else config.threshold
-        self._entered: list = []  # per entry: (runtime settings to restore, the tracer pushed)
+        self._entered: list = []  # the tracer pushed per entry (a block may be entered again, nested)
 
     def __enter__(self) -> Stats:
         DEVICE.refresh_from_config()
-        runtime = RUNTIME
-        runtime.flush("engine entered")
-        saved = (runtime.mode, runtime.threshold, runtime.max_segment_ops)
-        tracer = Tracer(runtime, self.mode)
-        runtime.mode, runtime.threshold, runtime.max_segment_ops = self.mode, self.threshold, config.max_segment_ops
-        try:
-            tracer.__enter__()
-        except BaseException:
-            runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
-            raise
-        self._entered.append((saved, tracer))
-        return runtime.stats
+        RUNTIME.flush("engine entered")
+        tracer = Tracer(RUNTIME, Settings(self.mode, self.threshold, config.max_segment_ops))
+        tracer.__enter__()
+        self._entered.append(tracer)
+        return RUNTIME.stats
 
     def __exit__(self, *exc_info) -> None:
-        saved, tracer = self._entered.pop()
-        runtime = RUNTIME
+        tracer = self._entered.pop()
         try:
-            runtime.flush(ENGINE_EXITED)
+            RUNTIME.flush(ENGINE_EXITED)
         finally:
-            try:
-                tracer.__exit__(*exc_info)
-            finally:
-                runtime.mode, runtime.threshold, runtime.max_segment_ops = saved
+            tracer.__exit__(*exc_info)
 
     def __repr__(self) -> str:
         return f"tilewise.engine(mode={self.mode.value!r}, threshold={self.threshold})"

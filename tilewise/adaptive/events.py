@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..device.runtime import DEVICE
 from . import analysis
+from .policy import Settings
 from .regions import RegionStep
 from .segment import Segment
 
@@ -23,6 +24,7 @@ class SegmentRan:
     edges: list
     host_time: float
     replayed: bool = False
+    settings: Settings | None = None  # the recording engine block's
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ def segment_event(number: int, segment: Segment, graph, stable: set, steps, dyna
                "warming up" if i not in stable else "region not compiled"),
               "shapes": [list(o.shape) for o in (n.outs or ()) if o is not None]}
              for i, n in enumerate(segment.nodes)]
-    return SegmentRan(number, nodes, [list(edge) for edge in graph.edges], time.perf_counter(), replayed)
+    return SegmentRan(number, nodes, [list(edge) for edge in graph.edges], time.perf_counter(), replayed,
+                      segment.settings)
 
 
 def host_spans(number: int, reason: str, ops: int, traced_from: float, started: float, clock: float) -> None:

@@ -35,6 +35,15 @@ class Mode(str, enum.Enum):
     __format__ = str.__format__
 
 
+class Settings(NamedTuple):
+    """What one engine block asks for. Each block's tracer carries its own, so two threads in
+    different blocks (or modes) keep their own policy; a segment is planned with the settings of
+    the block that recorded it (an op under other settings starts a new segment)."""
+    mode: Mode
+    threshold: int
+    max_segment_ops: int
+
+
 class Verdict(enum.Enum):
     COMPILE = "compile"
     WAIT = "wait"      # run its nodes eagerly this time; it may compile when it comes again

@@ -29,7 +29,7 @@ from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
 from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
                       needed_values)
-from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
+from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
 from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
@@ -38,6 +38,7 @@ aten = torch.ops.aten
 _FAILED = "failed"
 ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
+SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
@@ -46,9 +47,6 @@ class Runtime:
         self.lock = threading.RLock()
         self.segment = Segment()
         self.stats = Stats()
-        self.mode = Mode.ADAPTIVE
-        self.threshold = 3
-        self.max_segment_ops = config.max_segment_ops
         self._flushing = False
         self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
@@ -88,19 +86,19 @@ class Runtime:
                  "skeletons")}
 
     # -- per op ---------------------------------------------------------------------------------
-    def create(self, func, args, kwargs):
+    def create(self, func, args, kwargs, settings: Settings):
         """Ops that make a device tensor from no device tensor. Uploads write a fresh buffer from
         host data, so they run now; a factory that reads no tensor at all (ones, arange, full: a
         causal mask or the positions made every step) is recorded like any op, so it can join a
         compiled region (random factories still draw at once, in eager's order)."""
         check_device(kwargs.get("device") or "neuron")  # neuron:1 fails here, as in eager mode
         if not any(isinstance(a, torch.Tensor) for a in _flat(args)):
-            return self.dispatch(func, args, kwargs)
+            return self.dispatch(func, args, kwargs, settings)
         self.stats.ops_seen += 1
         self.stats.transfers += 1
         return run(func, args, kwargs)
 
-    def dispatch(self, func, args, kwargs):
+    def dispatch(self, func, args, kwargs, settings: Settings):
         lift = scalars.SCALAR_LISTS.get(func)
         if lift is not None:
             func, args = scalars.lift_scalar_list(func, lift, args)
@@ -110,8 +108,10 @@ class Runtime:
             if info is None:
                 info = self._op_info[func] = (runs_now(func), is_random(func))
             reason = info[0] or copies_to_host(kwargs) or self._enter_core(args, kwargs)
+            if reason is None and settings is not self.segment.settings:
+                self._enter_settings(settings)
             if reason is None and info[1] and draws_random(func, args):
-                return self._random(func, args, kwargs)
+                return self._random(func, args, kwargs, settings)
             if reason is None:
                 try:
                     result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
@@ -121,7 +121,7 @@ class Runtime:
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
                     DEVICE.lazy_pending = True
-                    if len(self.segment) >= self.max_segment_ops:
+                    if len(self.segment) >= settings.max_segment_ops:
                         self.flush("segment size bound")
                     return result
             self.flush(str(reason))
@@ -136,6 +136,14 @@ class Runtime:
             finally:
                 DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
                                      reason=str(reason))
+
+    def _enter_settings(self, settings: Settings) -> None:
+        """Keep a segment under one engine block's settings: an op recorded under others (another
+        thread's block, or a nested one) flushes what is recorded first."""
+        core = self.segment.core  # the op's (_enter_core has run)
+        self.flush(SETTINGS_CHANGE)
+        if not self.segment.nodes:  # (not flushed while a flush is under way: it keeps its settings)
+            self.segment.core, self.segment.settings = core, settings
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts
@@ -157,27 +165,27 @@ class Runtime:
             self.segment.core = core
         return None
 
-    def _random(self, func, args, kwargs):
+    def _random(self, func, args, kwargs, settings: Settings):
         """Random ops draw now, in eager's order; what they read must be computed already."""
         plan = plan_of(func)
         pending = any(self.is_pending(t._data) for t in _device_tensors(args))
         if func is aten.native_dropout.default and pending and _is_training_dropout(args):
-            return self._dropout(*args[:2])
+            return self._dropout(*args[:2], settings)
         if pending or plan.mutates:
             self.flush(Why.RANDOM.value)
         self.stats.random_draws += 1
         return run(func, args, kwargs)
 
-    def _dropout(self, x, p):
+    def _dropout(self, x, p, settings: Settings):
         """native_dropout as the CPU kernel computes it: the mask now, the products lazily."""
         keep = 1.0 - p
         # preserve_format, as the CPU kernel: a transposed input draws its mask in its own layout
         mask = run(aten.empty_like.default, (x,), {"memory_format": torch.preserve_format})
         run(aten.bernoulli_.float, (mask, keep), {})
         self.stats.random_draws += 2
-        out = self.dispatch(aten.mul.Tensor, (x, mask), {})
-        out = self.dispatch(aten.mul_.Scalar, (out, 1.0 / keep), {})
-        return out, self.dispatch(aten._to_copy.default, (mask,), {"dtype": torch.bool})
+        out = self.dispatch(aten.mul.Tensor, (x, mask), {}, settings)
+        out = self.dispatch(aten.mul_.Scalar, (out, 1.0 / keep), {}, settings)
+        return out, self.dispatch(aten._to_copy.default, (mask,), {"dtype": torch.bool}, settings)
 
     # -- per flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
@@ -276,12 +284,12 @@ class Runtime:
                 self._count_dynamic(segment.nodes[step.index], True)
 
     def _plan(self, segment: Segment):
-        nodes = segment.nodes
+        nodes, mode = segment.nodes, segment.settings.mode
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
             self.seen.count(fp)
-        compiling = self.mode is not Mode.EAGER
-        threshold = stable_after(self.mode, self.threshold)
+        compiling = mode is not Mode.EAGER
+        threshold = stable_after(mode, segment.settings.threshold)
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
@@ -342,13 +350,14 @@ class Runtime:
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
         site = tuple(segment.nodes[n].func for n in region.nodes)
         signatures = self.sites.get(site, 0) + 1
-        decision = on_region_miss(self.mode, settling, self.sightings.count(region.key), signatures,
+        mode = segment.settings.mode
+        decision = on_region_miss(mode, settling, self.sightings.count(region.key), signatures,
                                   config.recompile_limit)
         if decision.verdict is Verdict.WAIT:
             self.stats.warmup_ops += len(region.nodes)
             return None
         self.stats.cache_misses += 1
-        if self.mode is Mode.COMPILED:
+        if mode is Mode.COMPILED:
             self.sites.put(site, signatures)
             self.stats.recompiles += signatures > 1
         if decision.verdict is Verdict.EAGER:

@@ -59,10 +59,11 @@ class Node:
 
 
 class Segment:
-    def __init__(self, core: int = 0):
+    def __init__(self, core: int = 0, settings=None):
         # the NeuronCore every op of the segment runs on (a segment never mixes cores: the
         # runtime flushes before an op on another core); its outputs are that core's tensors
         self.core = core
+        self.settings = settings  # the recording block's policy.Settings (one per segment, as the core)
         self.nodes: list[Node] = []
         # id(host tensor) -> (node index, output index, fingerprint); host tensors of nodes are
         # kept alive by the nodes, so ids are stable for the life of the segment.

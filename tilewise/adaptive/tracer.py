@@ -13,10 +13,11 @@ from ..eager.executor import execute
 
 
 class Tracer(TorchDispatchMode):
-    def __init__(self, runtime, mode: str):
+    def __init__(self, runtime, settings):
         super().__init__()
         self.runtime = runtime
-        self.lazy = mode != "eager"
+        self.settings = settings  # this block's policy.Settings: the runtime plans its ops with them
+        self.lazy = settings.mode != "eager"
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -31,9 +32,9 @@ class Tracer(TorchDispatchMode):
             if not names_neuron(kwargs.get("device")):
                 return func(*args, **kwargs)
             if self.lazy:
-                return self.runtime.create(func, args, kwargs)
+                return self.runtime.create(func, args, kwargs, self.settings)
         elif self.lazy:
-            return self.runtime.dispatch(func, args, kwargs)
+            return self.runtime.dispatch(func, args, kwargs, self.settings)
         self.runtime.stats.ops_seen += 1
         self.runtime.stats.ops_eager += 1
         return execute(func, args, kwargs)

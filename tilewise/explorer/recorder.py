@@ -14,6 +14,7 @@ import time
 
 from ..adaptive import RUNTIME
 from ..adaptive.events import RegionCompiled, SegmentRan
+from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import TilewiseError
 from .summary import first_segment
@@ -110,7 +111,7 @@ class Recorder:
         self.reset_stats = reset_stats
         self.segments = SegmentLog(max_groups)
         self.compiles: list[dict] = []
-        self.settings = {"mode": RUNTIME.mode, "threshold": RUNTIME.threshold}
+        self.settings = {"mode": config.mode, "threshold": config.threshold}  # until a segment says
         self._run: Run | None = None
         self._active = False
 
@@ -160,7 +161,8 @@ class Recorder:
         return self.run().write_trace(path)
 
     def _on_segment(self, event: SegmentRan) -> None:
-        self.settings = {"mode": RUNTIME.mode, "threshold": RUNTIME.threshold}
+        if event.settings is not None:
+            self.settings = {"mode": event.settings.mode, "threshold": event.settings.threshold}
         self.segments.add(event)
 
     def _on_compiled(self, event: RegionCompiled) -> None:

@@ -1,0 +1,64 @@
+"""The engine's mode belongs to the engine block of each thread: two threads in different modes
+at once each get their own policy, and both compute what CPU computes."""
+import threading
+
+import torch
+
+import tilewise
+from tilewise.adaptive.engine import RUNTIME
+from tilewise.adaptive.regions import CompiledEntry
+
+
+def _loop(op, mode, threshold, x_cpu, results, barrier, steps=12):
+    x = x_cpu.to("neuron")
+    with tilewise.engine(mode=mode, threshold=threshold):
+        barrier.wait(timeout=60)  # both blocks are open before either runs an op
+        out = []
+        for step in range(steps):
+            out.append(op(x * (step + 1)).sum().item())
+        barrier.wait(timeout=60)  # neither block closes while the other still runs
+    results[mode] = out
+
+
+def test_two_threads_in_different_modes_keep_their_own_policy():
+    tilewise.reset_caches()
+    x_cpu = torch.randn(16, 16)
+    barrier, results = threading.Barrier(2), {}
+    # adaptive with a threshold it never reaches: its sin never compiles; compiled: its cos does
+    threads = [threading.Thread(target=_loop, args=(torch.sin, "adaptive", 1000, x_cpu, results, barrier)),
+               threading.Thread(target=_loop, args=(torch.cos, "compiled", 3, x_cpu, results, barrier))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    for mode, op in (("adaptive", torch.sin), ("compiled", torch.cos)):
+        expected = [op(x_cpu * (step + 1)).sum().item() for step in range(12)]
+        torch.testing.assert_close(results[mode], expected, rtol=1e-5, atol=1e-4)
+    compiled_ops = {name for entry in RUNTIME.regions.values() if isinstance(entry, CompiledEntry)
+                    for name in entry.op_names}
+    assert "cos" in compiled_ops, compiled_ops
+    assert "sin" not in compiled_ops, compiled_ops
+
+
+def test_an_engine_block_closed_in_one_thread_leaves_the_others_mode_alone():
+    tilewise.reset_caches()
+    inner_open, outer_closed, seen = threading.Event(), threading.Event(), {}
+
+    def short_block():
+        with tilewise.engine(mode="eager"):
+            inner_open.wait(timeout=60)
+        outer_closed.set()
+
+    thread = threading.Thread(target=short_block)
+    thread.start()
+    x = torch.randn(8, 8).to("neuron")
+    with tilewise.engine(mode="compiled"):
+        inner_open.set()
+        outer_closed.wait(timeout=60)  # the other thread's block has closed: ours still compiles
+        tilewise.stats().reset()
+        for step in range(3):
+            seen[step] = (x * step).tanh().sum().item()
+        compiles = tilewise.stats().compiles
+    thread.join(timeout=60)
+    assert compiles >= 1, tilewise.stats().report()
