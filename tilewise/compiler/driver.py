@@ -12,7 +12,7 @@ from .decompose import decompose, flat_module, host_factories
 from .emit import emit
 from .interpreter import interpret
 from .lower import lower
-from .memory_plan import check_launch_limits, memory_plan
+from .memory_plan import check_launch_limits
 from .native import HostExecutable, NativeProgram, Tier, generate
 from .partition import partition
 from .region import Region
@@ -25,8 +25,7 @@ COMPILER_VERSION = "tilewise-compiler-2"
 PASSES = (
     ("decompose", decompose),     # PyTorch decompositions + functionalization, traced on the example inputs
     ("partition", partition),     # fusion groups
-    ("lower", lower),             # tile IR per group
-    ("memory_plan", memory_plan), # SBUF/PSUM fit, tile-limit check
+    ("lower", lower),             # tile IR per group, at the largest free size that fits SBUF/PSUM
     ("schedule", schedule),       # kernels into launches, values kept in SBUF between kernels
     ("emit", emit),               # host code: the kernels as C, beside the PyTorch executable
     ("cost", estimate_cost),      # per-launch simulated cost
