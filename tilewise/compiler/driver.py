@@ -142,8 +142,8 @@ def source_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
-    """Run the decomposed graph once on zeros shaped as the example inputs: a decomposition that cannot run
-    for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
+    """Run the decomposed graph once on zeros shaped as the example inputs: a decomposition that
+    cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
     full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
     cache hit. Skipped for fake, meta and symbolic inputs (tracing-time compiles)."""
     from ..errors import CompileError

@@ -20,8 +20,8 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError
 from ..reasons import Why
 from .memory_plan import check_tile_limits, fits, live_bytes
-from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, Reason, arange_bounds,
-                  cat_parts, category, lowest, matmul_dims, numel, shape, val)
+from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, Reason,
+                  arange_bounds, cat_parts, category, lowest, matmul_dims, numel, shape, val)
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
