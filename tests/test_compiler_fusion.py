@@ -139,7 +139,7 @@ def test_unknown_ops_run_opaque_with_a_reason():
 def test_printing_shows_every_pass_and_the_tile_program():
     compiled = check(lambda x: torch.softmax(x, -1), [torch.randn(4, 130)], kernels=1)
     text = str(compiled)
-    for name in ("decompose", "partition", "lower", "memory_plan", "emit", "cost"):
+    for name in ("decompose", "partition", "lower", "schedule", "emit", "cost"):
         assert f"after pass: {name}" in text
     program = str(compiled.kernels[0])
     assert "load " in program and "store " in program and "_sbuf" in program and "_hbm" in program

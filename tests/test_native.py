@@ -5,6 +5,7 @@ dtype's tolerance (libm's transcendentals, summation order). Every test asserts 
 really ran and how many kernels it ran in C."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache():
+def fresh_cache(monkeypatch):
+    # These tests hold the C itself to CPU: once built it runs, unmeasured against the recorded graph.
+    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", False)
     cache.clear_memory()
     yield
     cache.clear_memory()
@@ -106,10 +109,13 @@ def test_float_sums_keep_cpus_kernel_and_its_rounding(fn):
     compiled = compile_graph(make_fx(fn)(x.clone()), [x.clone()], spec=TRN2)
     assert any(r.reason is NativeReason.SUMMATION_ORDER for r in compiled.native.refused), str(compiled.native)
     assert "summation_order" in str(compiled.native)
+    assert compiled.host_tier is Tier.TORCH  # the recorded graph: CPU's own kernels
+    assert torch.equal(compiled.run(x.clone())[0], fn(x))
     compiled.start_native()
-    compiled.wait_native(BUILD_TIMEOUT)
-    for _ in range(3):  # whatever the tier: the PyTorch executable's rounding (and CPU's, where not decomposed)
-        assert torch.equal(compiled.run(x.clone())[0], compiled.run_torch(x.clone())[0])
+    # with C around the sums, it rounds as the decomposed graph on PyTorch does; without, CPU's kernels run
+    reference = compiled.run_torch if compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE else fn
+    for _ in range(3):
+        assert torch.equal(compiled.run(x.clone())[0], reference(x.clone())[0] if reference is not fn else fn(x))
     torch.testing.assert_close(compiled.run(x.clone())[0], fn(x))
 
 
@@ -197,6 +203,43 @@ def test_a_region_runs_pytorch_until_its_c_is_built_then_switches():
     assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
     torch.testing.assert_close(compiled.run(x)[0], fn(x))
     assert native_calls(compiled) == 1
+
+
+def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
+    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
+    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
+    x = torch.randn(64, 64)
+    compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
+    host = compiled._host
+    recorded = host.source_forward
+
+    def slow_recorded_graph(*inputs):  # the recorded graph made to lose the trial
+        time.sleep(0.02)
+        return recorded(*inputs)
+
+    host.forward = host.source_forward = slow_recorded_graph
+    compiled.start_native()
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    for _ in range(2 * native.TRIAL_RUNS):  # both contenders, in turn, with CPU's values
+        torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    assert host.trial is None and compiled.host_tier is Tier.NATIVE and native_calls(compiled) == 1
+
+    compiled = compile_graph(*_traced(lambda x: torch.tanh(x) * 3, [x]), spec=TRN2)
+    host = compiled._host
+    compiled.start_native()
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    c_forward = host.forward
+
+    def slow_c(*inputs):  # now the C loses
+        time.sleep(0.02)
+        return c_forward(*inputs)
+
+    host.forward = slow_c
+    host.trial.contenders = (slow_c, host.source_forward)
+    host.trial.best = dict.fromkeys(host.trial.contenders, float("inf"))
+    for _ in range(2 * native.TRIAL_RUNS):
+        torch.testing.assert_close(compiled.run(x)[0], torch.tanh(x) * 3)
+    assert host.trial is None and compiled.host_tier is Tier.SLOWER and host.forward is host.source_forward
 
 
 def test_host_backend_torch_never_builds_c():

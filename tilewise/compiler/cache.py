@@ -40,7 +40,7 @@ import torch
 from ..config import config
 from ..errors import CompileError
 from .cost import LaunchCost
-from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached
+from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
 from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json
 
 MEMORY_ENTRIES = 256  # compiled regions kept in memory per process (least recently used evicted)
@@ -116,7 +116,7 @@ def compile_cached(gm, example_inputs, spec, name) -> CompiledRegion:
         return _labelled(_memory[key], name)
     disk = _open_disk() if config.cache_dir else None
     try:
-        compiled = _load(disk, key, spec) if disk else None
+        compiled = _load(disk, key, spec, gm) if disk else None
         if compiled is None:
             stats.compiles += 1
             compiled = compile_uncached(gm, example_inputs, spec, name)
@@ -397,12 +397,14 @@ def _read_authenticated(disk: _Disk, name: str, what: str, instead: str) -> byte
     return payload
 
 
-def _load(disk: _Disk, key: str, spec) -> CompiledRegion | None:
-    """The entry for `key` if there is one that passes every check; None (recompile) otherwise."""
+def _load(disk: _Disk, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
+    """The entry for `key` if there is one that passes every check; None (recompile) otherwise.
+    `source` is the graph asked for: the key says the entry compiled that very graph, whose
+    recorded form the region runs until its native code is built."""
     payload = _read_authenticated(disk, _entry_name(key), "compile cache entry", "recompiling")
     if payload is None:
         return None
-    compiled = _decode(payload, key, spec)
+    compiled = _decode(payload, key, spec, source)
     if compiled is None:
         stats.corrupt += 1
         _warn_once(f"tilewise: compile cache entry {disk.path(key)} is corrupt, truncated, or not written with "
@@ -412,7 +414,7 @@ def _load(disk: _Disk, key: str, spec) -> CompiledRegion | None:
     return compiled
 
 
-def _decode(payload: bytes, key: str, spec) -> CompiledRegion | None:
+def _decode(payload: bytes, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
     """The compiled region an authenticated payload holds; None when it does not decode."""
     try:
         entry = json.loads(payload)
@@ -422,7 +424,7 @@ def _decode(payload: bytes, key: str, spec) -> CompiledRegion | None:
         launches = [launch_from_json(launch, renamed) for launch in entry["launches"]]
         return CompiledRegion(_text(entry["name"]), gm, launches, [_cost(c) for c in entry["cost"]],
                               [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
-                              float(entry["compile_seconds"]), spec)
+                              float(entry["compile_seconds"]), spec, source=source_graph(source))
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None
 

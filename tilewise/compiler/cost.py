@@ -1,4 +1,4 @@
-"""Pass 7: estimate each launch's cost: one launch overhead, then per kernel the HBM traffic for
+"""Pass 6: estimate each launch's cost: one launch overhead, then per kernel the HBM traffic for
 what enters and leaves it (nothing for values resident in SBUF) and per-tile engine time with DMA
 overlapped against compute (tilewise.device.cost rates).
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..device.spec import DeviceSpec
 from .cost import estimate_cost
-from .decompose import decompose
+from .decompose import decompose, flat_module, host_factories
 from .emit import emit
 from .interpreter import interpret
 from .lower import lower
-from .memory_plan import check_launch_limits, memory_plan
+from .memory_plan import check_launch_limits
 from .native import HostExecutable, NativeProgram, Tier, generate
 from .partition import partition
 from .region import Region
@@ -24,8 +25,7 @@ COMPILER_VERSION = "tilewise-compiler-2"
 PASSES = (
     ("decompose", decompose),     # PyTorch decompositions + functionalization, traced on the example inputs
     ("partition", partition),     # fusion groups
-    ("lower", lower),             # tile IR per group
-    ("memory_plan", memory_plan), # SBUF/PSUM fit, tile-limit check
+    ("lower", lower),             # tile IR per group, at the largest free size that fits SBUF/PSUM
     ("schedule", schedule),       # kernels into launches, values kept in SBUF between kernels
     ("emit", emit),               # host code: the kernels as C, beside the PyTorch executable
     ("cost", estimate_cost),      # per-launch simulated cost
@@ -36,11 +36,14 @@ class CompiledRegion:
     """A compiled region: a fast host executable, its tile kernels grouped into launches, their
     cost (one entry per launch) and the pass log.
 
-    The host executable is tiered: the region graph run op by op with PyTorch's CPU kernels, until
-    (with `config.host_backend == "native"`) the kernels' C, compiled in the background, takes over."""
+    The host executable is tiered: the region's recorded graph (`source`: the ops as issued, before
+    decomposition; the decomposed `gm` where there is none) run op by op with PyTorch's CPU kernels,
+    until (with `config.host_backend == "native"`) the kernels' C, compiled in the background, takes
+    over where it measures faster."""
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, launches, cost, refused, passes_text,
-                 compile_seconds: float, spec: DeviceSpec, native: NativeProgram | None = None):
+                 compile_seconds: float, spec: DeviceSpec, native: NativeProgram | None = None,
+                 source: torch.fx.GraphModule | None = None):
         self.name, self.gm, self.spec = name, gm, spec
         self.launches = list(launches)
         self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
@@ -49,14 +52,15 @@ class CompiledRegion:
         self.passes_text = list(passes_text)
         self.compile_seconds = compile_seconds
         self.native = native if native is not None else generate(tuple(self.launches))
-        self._host = HostExecutable(gm, self.native)
+        self.source = source
+        self._host = HostExecutable(gm, self.native, source)
 
     def run(self, *inputs) -> tuple:
         """Whole-tensor host execution; applies in-place updates of inputs like the source graph."""
         return self._host.run(*inputs)
 
     def run_torch(self, *inputs) -> tuple:
-        """The PyTorch executable, whatever the tier (the reference the native one is held to)."""
+        """The decomposed graph on PyTorch, whatever the tier (the reference the native one is held to)."""
         return self._host.torch_forward(*inputs)
 
     def start_native(self) -> None:
@@ -123,14 +127,23 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
     region, texts = run_passes(gm, example_inputs, spec, name)
     compiled = CompiledRegion(name, region.gm, region.launches, region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
-                              time.perf_counter() - start, spec, region.native)
+                              time.perf_counter() - start, spec, region.native, source_graph(gm))
     _smoke_run(compiled, example_inputs)
     return compiled
 
 
+def source_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph as given, ready to run on host buffers: positional inputs, host factories, and
+    its outputs as the flat tuple the decomposed graph returns."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(host_factories(flat_module(gm)).graph, {})
+    graph.output(tuple(pytree.tree_leaves(out)))
+    return torch.fx.GraphModule(gm, graph)
+
+
 def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
-    """Run the executable once on copies of the example inputs: a decomposition that cannot run
-    for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
+    """Run the decomposed graph once on zeros shaped as the example inputs: a decomposition that
+    cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
     full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
     cache hit. Skipped for fake, meta and symbolic inputs (tracing-time compiles)."""
     from ..errors import CompileError
@@ -138,7 +151,7 @@ def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return
     try:
-        compiled.run(*[_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        compiled.run_torch(*[_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
     except Exception as error:
         raise CompileError(f"the compiled region fails on its example inputs: {type(error).__name__}: "
                            f"{error}") from error

@@ -6,6 +6,11 @@ contraction in PSUM, `spec.partitions` at a time, with the moving free size boun
 bank. Everything that leaves the group is stored; everything that enters is loaded once per tile.
 A bmm group runs that loop nest once per batch, inside a batch loop. gather/scatter along the last
 dim become one-hot selects (`iota == index`) on the row's tile.
+
+Each group is lowered at the largest free size whose live tiles fit SBUF and PSUM (the memory fit,
+`memory_plan.fits`): whole rows first, halved until it fits. A reduction needs whole rows, so a
+fused group whose rows do not fit is split into single-op groups, and a single reduction that
+still does not fit runs opaque; both with a typed reason.
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import torch
 
 from ..device.spec import DeviceSpec
 from ..errors import CompileError
-from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, arange_bounds, cat_parts,
-                  category, lowest, matmul_dims, numel, shape, val)
+from ..reasons import Why
+from .memory_plan import check_tile_limits, fits, live_bytes
+from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, Reason,
+                  arange_bounds, cat_parts, category, lowest, matmul_dims, numel, shape, val)
 from .region import Group, Region
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
@@ -410,7 +417,7 @@ def opaque_kernel(group: Group, nodes: dict) -> Kernel:
 
 
 def default_free(group: Group) -> int:
-    """Start from whole rows; the memory plan shrinks the free size when the tiles do not fit."""
+    """Start from whole rows; `_fitted` shrinks the free size when the tiles do not fit."""
     parts = group.parts or (group,)
     return max(p.domain[1] for p in parts)
 
@@ -418,6 +425,58 @@ def default_free(group: Group) -> int:
 def lower(region: Region) -> Region:
     spec = region.spec
     nodes = {n.name: n for n in region.gm.graph.nodes}
-    kernels = tuple(opaque_kernel(g, nodes) if g.kind == "opaque" else
-                    lower_group(g, nodes, spec, default_free(g)) for g in region.groups)
-    return region.replace(pass_name="lower", kernels=kernels)
+    groups, kernels, refused = [], [], list(region.refused)
+    pending = list(region.groups)
+    next_id = max((g.id for g in pending), default=0) + 1
+    while pending:
+        group = pending.pop(0)
+        kernel = opaque_kernel(group, nodes) if group.kind == "opaque" else _fitted(group, nodes, spec)
+        if kernel is not None:
+            groups.append(group)
+            kernels.append(kernel)
+        elif len(group.nodes) > 1:
+            refused.append((group.name, Reason(Why.SBUF, f"rows of {group.domain[1]} elements do not fit SBUF; split")))
+            parts = _singletons(group, nodes, next_id)
+            next_id += len(parts)
+            pending = parts + pending
+        else:
+            refused.append((group.name, Reason(Why.SBUF, f"a row of {group.domain[1]} elements does not fit SBUF")))
+            opaque = group.__class__(id=group.id, kind="opaque", nodes=group.nodes)
+            groups.append(opaque)
+            kernels.append(opaque_kernel(opaque, nodes))
+    for kernel in kernels:
+        check_tile_limits(kernel, spec)
+    return region.replace(pass_name="lower", groups=tuple(groups), kernels=tuple(kernels), refused=tuple(refused))
+
+
+def _fitted(group: Group, nodes: dict, spec: DeviceSpec) -> Kernel | None:
+    """The group lowered at the largest free size that fits; None when none does (a reduction
+    needs whole rows)."""
+    free = default_free(group)
+    while True:
+        kernel = lower_group(group, nodes, spec, free)
+        if fits(kernel, spec):
+            return kernel.replace(sbuf_bytes_per_partition=live_bytes(kernel)[0])
+        if group.kind == "reduction" or free == 1:
+            return None
+        free = max(1, free // 2)
+
+
+def _singletons(group: Group, nodes: dict, next_id: int) -> list[Group]:
+    """The group's nodes as groups of their own (views, host metadata, need none)."""
+    out = []
+    for name in group.nodes:
+        node = nodes[name]
+        cat = category(node)
+        if cat == "view":
+            continue
+        if cat == "reduction":
+            in_shape = shape(node.args[0])
+            domain, kind = (numel(in_shape) // max(in_shape[-1], 1), in_shape[-1]), "reduction"
+        else:
+            out_shape = shape(node)
+            last = out_shape[-1] if out_shape and out_shape[-1] != 1 else 1
+            domain, kind = (numel(out_shape) // last, last), "elementwise"
+        out.append(Group(id=next_id + len(out), kind=kind, nodes=(name,), domain=domain,
+                         row_values=frozenset({name}) if cat == "reduction" else frozenset()))
+    return out

@@ -1,19 +1,15 @@
-"""Pass 4: keep every live tile within SBUF and PSUM, and check the TensorEngine tile limits.
+"""The memory fit: whether a kernel's live tiles stay within SBUF and PSUM, and the TensorEngine
+tile limits. The lower pass asks `fits` while it picks each group's free size (so every group is
+lowered once); the schedule checks every launch with `check_launch_limits`.
 
 Live bytes are counted per partition (every tile spans the partitions), from a tile's definition to
 its last use in the body; DMA-loaded tiles count twice because they are double-buffered so the next
-tile's load overlaps this tile's compute. A kernel that does not fit gets a smaller free size; a
-reduction needs whole rows, so one that does not fit is split into single-op kernels, and a single
-reduction that still does not fit runs opaque.
+tile's load overlaps this tile's compute.
 """
 from __future__ import annotations
 
 from ..device.spec import DeviceSpec
 from ..errors import TileLimitError
-from .lower import default_free, lower_group, opaque_kernel
-from ..reasons import Why
-from .ops import Reason, category, numel, shape
-from .region import Group, Region
 from .tile_ir import Kernel, Launch, Ops
 
 
@@ -53,64 +49,6 @@ def _matmul_end(kernel: Kernel, op, last_use: dict, index: int) -> int:
 def fits(kernel: Kernel, spec: DeviceSpec) -> bool:
     sbuf, banks = live_bytes(kernel)
     return sbuf <= spec.sbuf_partition_bytes and banks <= spec.psum_banks
-
-
-def _planned(group: Group, nodes: dict, spec: DeviceSpec) -> Kernel | None:
-    free = default_free(group)
-    while True:
-        kernel = lower_group(group, nodes, spec, free)
-        if fits(kernel, spec):
-            return kernel.replace(sbuf_bytes_per_partition=live_bytes(kernel)[0])
-        if group.kind == "reduction" or free == 1:
-            return None
-        free = max(1, free // 2)
-
-
-def _singletons(group: Group, nodes: dict, next_id: int) -> list[Group]:
-    out = []
-    for name in group.nodes:
-        node = nodes[name]
-        cat = category(node)
-        if cat == "view":
-            continue  # a view outside a kernel is host metadata, no kernel
-        if cat == "reduction":
-            in_shape = shape(node.args[0])
-            domain, kind = (numel(in_shape) // max(in_shape[-1], 1), in_shape[-1]), "reduction"
-        else:
-            out_shape = shape(node)
-            last = out_shape[-1] if out_shape and out_shape[-1] != 1 else 1
-            domain, kind = (numel(out_shape) // last, last), "elementwise"
-        out.append(Group(id=next_id + len(out), kind=kind, nodes=(name,), domain=domain,
-                         row_values=frozenset({name}) if cat == "reduction" else frozenset()))
-    return out
-
-
-def memory_plan(region: Region) -> Region:
-    spec = region.spec
-    nodes = {n.name: n for n in region.gm.graph.nodes}
-    groups, kernels, refused = [], [], list(region.refused)
-    pending = list(region.groups)
-    next_id = max((g.id for g in pending), default=0) + 1
-    while pending:
-        group = pending.pop(0)
-        kernel = opaque_kernel(group, nodes) if group.kind == "opaque" else _planned(group, nodes, spec)
-        if kernel is not None:
-            groups.append(group)
-            kernels.append(kernel)
-        elif len(group.nodes) > 1:
-            refused.append((group.name, Reason(Why.SBUF, f"rows of {group.domain[1]} elements do not fit SBUF; split")))
-            parts = _singletons(group, nodes, next_id)
-            next_id += len(parts)
-            pending = parts + pending
-        else:
-            refused.append((group.name, Reason(Why.SBUF, f"a row of {group.domain[1]} elements does not fit SBUF")))
-            opaque = group.__class__(id=group.id, kind="opaque", nodes=group.nodes)
-            groups.append(opaque)
-            kernels.append(opaque_kernel(opaque, nodes))
-    for kernel in kernels:
-        check_tile_limits(kernel, spec)
-    return region.replace(pass_name="memory_plan", groups=tuple(groups), kernels=tuple(kernels),
-                          refused=tuple(refused))
 
 
 def check_tile_limits(kernel: Kernel, spec: DeviceSpec) -> None:

@@ -7,11 +7,15 @@ and the compiler's version, as inductor's CppCodeCache and tinygrad's CPU backen
 `ctypes`. The region's executable is then its graph with each native kernel's nodes replaced by one
 call of its function (a mixed executable: opaque ops, views and refused kernels stay PyTorch ops).
 
-Tiered, as JIT compilers are: a region starts on its PyTorch executable; `HostExecutable` switches
-to the native one when a background thread has built it. With a cache directory the library is
-kept there as `<key>.so.twn`, authenticated like the cache's entries (HMAC over the file's bytes with
-the user's key); it is loaded from a memfd holding exactly the bytes that were verified, so a file
-changed after the check is never the one executed.
+Tiered, as JIT compilers are: a region starts on its recorded graph (the ops as the program issued
+them, run with PyTorch's CPU kernels: CPU's values by construction, and about a third of the nodes of
+the decomposed graph); `HostExecutable` tries the native executable when a background thread has
+built it, times both on the region's own runs, and keeps the faster (on TinyGPT's step region the
+recorded graph wins: the C replaces elementwise nodes of the decomposed graph, which costs 4x the
+recorded one). With a cache directory the library is kept there as `<key>.so.twn`, authenticated
+like the cache's entries (HMAC over the file's bytes with the user's key); it is loaded from a memfd
+holding exactly the bytes that were verified, so a file changed after the check is never the one
+executed.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -40,6 +45,11 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-ffp-contract=off"
 COMPILE_TIMEOUT_SECONDS = 120
 C_COMPILER = "cc"  # the system C compiler, found on PATH
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
+# Once the C is built, each of the two executables runs this many times, alternating, and the one
+# with the shorter best time stays: per-call overhead decides on small regions and is machine-bound.
+TRIAL_RUNS = 3
+# False keeps the native executable once built, unmeasured (tests that hold the C to CPU force it).
+CHOOSE_BY_MEASUREMENT = True
 # Matmul kernels: PyTorch's mm (oneDNN/MKL, blocked and vectorised with FMA) beats the C loop over
 # 128 x 512 tiles by a wide margin (see benchmarks/native_matmul.py), so they keep PyTorch.
 NATIVE_MATMUL = False
@@ -73,9 +83,10 @@ class NativeProgram:
 
 
 class Tier(enum.Enum):
-    TORCH = "torch"          # PyTorch executable, native not asked for (host_backend=torch)
-    COMPILING = "compiling"  # PyTorch executable while the C compiles in the background
+    TORCH = "torch"          # the recorded graph on PyTorch, native not asked for (host_backend=torch)
+    COMPILING = "compiling"  # the recorded graph while the C compiles in the background
     NATIVE = "native"        # the mixed executable with the C kernels
+    SLOWER = "slower"        # native built, measured slower than the recorded graph, which runs
     FAILED = "failed"        # native could not be built (no compiler, compile error): PyTorch, warned once
 
 
@@ -271,13 +282,16 @@ def _named(call, name: str):
 # -- tiers ---------------------------------------------------------------------------------------
 
 class HostExecutable:
-    """What `CompiledRegion.run` calls: the PyTorch executable until the native one is ready.
+    """What `CompiledRegion.run` calls: the recorded graph until the native executable is built
+    and measured faster on this region's runs.
 
     Shared by every relabelled copy of a cached region, so one background build serves them all."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program: NativeProgram | None):
-        self.torch_forward = gm.forward
-        self.forward = self.torch_forward
+    def __init__(self, gm: torch.fx.GraphModule, program: NativeProgram | None,
+                 source: torch.fx.GraphModule | None = None):
+        self.torch_forward = gm.forward  # the decomposed graph: the C's reference and its fallback
+        self.source_forward = (source or gm).forward
+        self.forward = self.source_forward
         self.gm, self.program = gm, program
         self.tier = Tier.TORCH
         self.failure = ""
@@ -285,6 +299,7 @@ class HostExecutable:
         self.ready.set()
         self.runs_to_build = 0  # armed: runs left before the background build starts
         self.where = None  # the disk cache a started build reads and writes (cache.Location)
+        self.trial: _Trial | None = None
 
     def arm(self) -> None:
         """Build the native executable once the region has run NATIVE_AFTER_RUNS times: a region
@@ -297,10 +312,19 @@ class HostExecutable:
             self.runs_to_build -= 1
             if not self.runs_to_build:
                 self.start()
+        trial = self.trial  # read once: the builder thread sets it, the trial's last run clears it
+        if trial is not None:
+            return trial.run(self, inputs)
         try:
             return self.forward(*inputs)
-        except IndexOutOfRange:  # PyTorch's executable raises PyTorch's error for it
-            return self.torch_forward(*inputs)
+        except IndexOutOfRange:  # the recorded graph raises PyTorch's error for it
+            return self.source_forward(*inputs)
+
+    def settle(self, trial: "_Trial") -> None:
+        """The trial is over: keep the faster executable."""
+        self.trial = None
+        if trial.best[self.source_forward] < trial.best[self.forward]:
+            self.forward, self.tier = self.source_forward, Tier.SLOWER
 
     def start(self) -> None:
         """Build the native executable in the background (tiered); without a C compiler, warn once
@@ -327,6 +351,8 @@ class HostExecutable:
                        f"PyTorch executable")
         else:
             self.forward, self.tier = native.forward, Tier.NATIVE
+            if CHOOSE_BY_MEASUREMENT:
+                self.trial = _Trial((native.forward, self.source_forward))
         finally:
             self.ready.set()
 
@@ -338,6 +364,28 @@ class HostExecutable:
         """The tier once the background build (if any) is done, or after `timeout` seconds."""
         self.ready.wait(timeout)
         return self.tier
+
+
+class _Trial:
+    """Runs the contenders in turn, TRIAL_RUNS times each, keeping each one's best time."""
+
+    def __init__(self, contenders: tuple):
+        self.contenders = contenders
+        self.best = {forward: float("inf") for forward in contenders}
+        self.runs = 0
+
+    def run(self, host: HostExecutable, inputs: tuple) -> tuple:
+        forward = self.contenders[self.runs % len(self.contenders)]
+        self.runs += 1
+        started = time.perf_counter()
+        try:
+            results = forward(*inputs)
+        except IndexOutOfRange:
+            results = host.source_forward(*inputs)
+        self.best[forward] = min(self.best[forward], time.perf_counter() - started)
+        if self.runs == TRIAL_RUNS * len(self.contenders):
+            host.settle(self)
+        return results
 
 
 _queue: queue.SimpleQueue | None = None

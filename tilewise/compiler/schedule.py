@@ -1,4 +1,4 @@
-"""Pass 5: schedule the kernels into launches and keep what passes between them in SBUF.
+"""Pass 4: schedule the kernels into launches and keep what passes between them in SBUF.
 
 A launch runs consecutive tile kernels back to back as one device program, the way one NEFF runs a
 whole graph on hardware: one launch overhead for all of them. An opaque op has no tile program, so
