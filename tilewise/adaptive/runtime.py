@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,13 +25,13 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import check_device, execute, run
 from ..eager.plan import is_random, plan_of
-from . import analysis, events, interrupts, regions, scalars
+from . import analysis, events, interrupts, regions, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
-                      needed_values)
-from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
-                     stable_after)
+from .regions import (CompiledEntry, Region, RegionStep, Sized, alias_signature, build_graph, describe,
+                      mixes_dtypes_on_shared_storage, needed_values)
+from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_other_sizes, on_region_miss,
+                     runs_now, stable_after)
 from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
 
@@ -80,12 +81,15 @@ class Runtime:
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons = BoundedCache(signatures)
+        self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
+        self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
+        self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
                 ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "sightings",
-                 "skeletons")}
+                 "skeletons", "generic_sigs", "seen_generic", "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -283,6 +287,14 @@ class Runtime:
         compiling = self.mode is not Mode.EAGER
         threshold = stable_after(self.mode, self.threshold)
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
+        # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
+        sized = set()
+        if compiling and len(stable) < len(nodes):
+            generic = shapes.generic_fps(nodes, self.generic_sigs)
+            for fp in set(generic):
+                self.seen_generic.count(fp)
+            sized = {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}
+            stable |= sized
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
@@ -303,7 +315,7 @@ class Runtime:
                     self._count_dynamic(nodes[step.index], dynamic)
                 continue
             region = describe(segment, members[step.index], needed)
-            entry = self._entry(segment, region, settling)
+            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes))
             if entry is None:
                 final = compiled_all = False
                 steps.extend(NodeStep(i) for i in region.nodes)
@@ -329,9 +341,9 @@ class Runtime:
         else:
             self.stats.warmup_ops += 1
 
-    def _entry(self, segment: Segment, region: Region, settling: bool):
+    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool):
         """The compiled region for this region, compiled now if the policy says so; None: run
-        its nodes eagerly."""
+        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes."""
         entry = self.regions.get(region.key)
         if entry is _FAILED:
             return None
@@ -340,21 +352,100 @@ class Runtime:
             return entry
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
-        site = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.sites.get(site, 0) + 1
+        site = self._site(segment, region)
+        if site is not None and site.first.key != region.key:
+            return self._other_sizes(segment, region, site)
+        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
+        signatures = self.sites.get(site_ops, 0) + 1
         decision = on_region_miss(self.mode, settling, self.sightings.count(region.key), signatures,
-                                  config.recompile_limit)
+                                  config.recompile_limit, sizes_change)
         if decision.verdict is Verdict.WAIT:
             self.stats.warmup_ops += len(region.nodes)
             return None
         self.stats.cache_misses += 1
         if self.mode is Mode.COMPILED:
-            self.sites.put(site, signatures)
+            self.sites.put(site_ops, signatures)
             self.stats.recompiles += signatures > 1
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
-        return self._compile(segment, region)
+        entry = self._compile(segment, region)
+        if entry is not None and site is not None:
+            site.compiles += 1
+        return entry
+
+    def _site(self, segment: Segment, region: Region) -> Site | None:
+        """The region's site (its key without sizes), made at its first signature; None for a
+        region that cannot generalise (its inputs share storage: views the compiler would rebuild
+        with sizes compiled in)."""
+        if region.shared or len(set(alias_signature(region.arguments(segment)))) < len(region.inputs):
+            return None
+        key = shapes.generic_key(region.key)
+        site = self.generic_sites.get(key)
+        if site is None:
+            site = Site(shapes.example(region.key, region.arguments(segment)))
+            self.generic_sites.put(key, site)
+        return site
+
+    def _other_sizes(self, segment: Segment, region: Region, site: Site):
+        """A signature at a site that differs from its first in sizes or int arguments: served by
+        the site's generic region if its guards admit it, else generalise (policy permitting)."""
+        if site.generic is not None:
+            arguments = regions.arguments(segment, region, site.changes.ints)
+            if site.generic.admits(arguments):
+                return self._sized(segment, region, site, arguments)
+            self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
+        self.stats.cache_misses += 1
+        decision = on_other_sizes(site.generalisations, config.generalise_limit)
+        if decision.verdict is Verdict.EAGER:
+            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
+            return None
+        changes = shapes.changes(site.first, shapes.example(region.key, region.arguments(segment)))
+        if site.changes is not None:
+            changes = changes.union(site.changes)
+        return self._generalise(segment, region, site, changes)
+
+    def _generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
+        from ..compiler.symbolic import compile_generic  # the compiler layer sits below
+
+        name = f"region{len(self.stats.regions) + 1}"
+        site.generalisations += 1
+        started = time.perf_counter()
+        try:
+            gm = build_graph(segment, region, changes.ints)
+            arguments = regions.arguments(segment, region, changes.ints)
+            generic = _COMPILER_THREAD.submit(compile_generic, gm, arguments, changes.dynamic(), DEVICE.spec, name,
+                                              config.specialisation_limit).result()
+        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        seconds = time.perf_counter() - started
+        DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
+        site.generic, site.changes = generic, changes
+        site.compiles += 1
+        self.stats.specialisations += 1  # the example's size, made by the compile
+        entry = self._sized(segment, region, site, arguments)
+        self.events.publish(events.RegionCompiled(name, self.stats.segments, len(region.nodes), started, seconds,
+                                                  len(entry.compiled.cost) if entry else 0, []))
+        return entry
+
+    def _sized(self, segment: Segment, region: Region, site: Site, arguments: list):
+        """The entry serving this size of the site's generic region: its tile programs made now or
+        kept, its outputs' layouts checked against those the segment recorded."""
+        try:
+            made, new = site.generic.specialise(arguments)
+        except Exception as error:  # this size's tile programs do not lower: it runs eagerly
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        if new:
+            self.stats.specialisations += 1
+            self.stats.specialise_seconds += made.seconds
+        recorded = tuple((tuple(b.shape), b.stride(), b.dtype) for b in
+                         (segment.nodes[n].outs[o] for n, o in region.outputs))
+        if recorded != made.outputs:
+            return self._give_up(region, Reason(Why.GENERIC_LAYOUT, f"{recorded} != {made.outputs}"[:100]))
+        entry = CompiledEntry(Sized(site.generic, made.cost), region, 0.0, site.generic.name,
+                              tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})), site.changes.ints)
+        self.regions.put(region.key, entry)
+        return entry
 
     def _give_up(self, region: Region, reason: Reason) -> None:
         self.regions.put(region.key, _FAILED)
@@ -444,12 +535,26 @@ class Runtime:
         region, entry = step.region, step.entry
         entry.run(segment, region)
         self.stats.ops_compiled += len(region.nodes)
-        self.stats.cache_hits += entry.runs > 1
+        self.stats.cache_hits += entry.reused
         detail = self.stats.regions.get(entry.name)
         if detail is not None:
-            detail.hits += entry.runs > 1
+            detail.hits += entry.reused
             detail.kernels = entry.kernels
             detail.simulated_seconds += entry.seconds
+
+
+GENERIC_GUARD_MISS = "sizes outside the generic region's guards"
+
+
+@dataclass
+class Site:
+    """A region site: the region's ops and layout without sizes. Its first signature, and once
+    sizes changed, the shape-generic region compiled for it and what it takes as symbolic."""
+    first: shapes.Example
+    generic: object = None               # compiler.symbolic.GenericRegion
+    changes: shapes.Changes | None = None
+    generalisations: int = 0             # generic compiles made at the site
+    compiles: int = 0                    # all compiles at the site, static and generic
 
 
 class Unfinished(NamedTuple):

@@ -46,6 +46,9 @@ class Stats:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.recompiles = 0
+        # per-size tile programs of shape-generic regions (cheap: no decomposition; not compiles)
+        self.specialisations = 0
+        self.specialise_seconds = 0.0
         self.cache_hits = 0
         self.cache_misses = 0
         self.guard_misses: collections.Counter = collections.Counter()   # reason -> count
@@ -116,6 +119,7 @@ class Stats:
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "specialisations": self.specialisations, "specialise_seconds": self.specialise_seconds,
             "unused_compiles": self.unused_compiles,
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
             "guard_misses": dict(self.guard_misses),
@@ -138,7 +142,8 @@ class Stats:
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
-            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}",
+            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
+            f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s)",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",

@@ -1,0 +1,169 @@
+"""Sizes that change: the shape-free form of nodes and regions, and what changed between two.
+
+Static first, generalise on change (Dynamo's automatic dynamic, `torch/_dynamo/pgo.py`): a node's
+exact signature names its input sizes; its *generic* signature keeps rank, dtype and layout
+pattern but not sizes, nor the ints the schema takes as sizes (SymInt, SymInt[] and Scalar
+arguments: view and expand sizes, arange ends, a mean's divisor). A node whose generic
+fingerprint recurs while its sizes keep changing is as stable as one that repeats exactly.
+
+A region keyed generically is a *site*: the first signature seen there is an `Example`; a second
+one tells which input dims and which int arguments change (`changes`). Those become symbolic in
+one shape-generic compile (compiler/symbolic.py); ints that change become region inputs, found
+again in each flush's nodes by their `IntPath`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torchgen.model import FunctionSchema
+
+_INT = ("int",)  # an int the schema takes as a size or number: its value is not in the generic form
+
+
+def generic_sig(sig: tuple) -> tuple:
+    """A node's `sig` without sizes: (func, descriptions, kwarg names[, kwarg descriptions])."""
+    func = sig[0]
+    sizes = _size_arguments(func)
+    descr = tuple(_generic(d, i < len(sizes) and sizes[i]) for i, d in enumerate(sig[1]))
+    if len(sig) == 3:
+        return (func, descr, sig[2])
+    by_name = dict(zip((a.name for a in func._schema.arguments), sizes))
+    return (func, descr, sig[2], tuple(_generic(d, by_name.get(k, False)) for k, d in zip(sig[2], sig[3])))
+
+
+@functools.lru_cache(maxsize=None)
+def _size_arguments(func) -> tuple[bool, ...]:
+    """Per schema argument: whether an int there may be a SymInt (a SymInt, SymInt[] or Scalar
+    argument: a size or a number). Python's schema objects show SymInt as int; the schema's text,
+    parsed by torchgen (which PyTorch itself uses), keeps it."""
+    parsed = FunctionSchema.parse(str(func._schema).split("::", 1)[-1])
+    return tuple(str(a.type).startswith(("SymInt", "Scalar")) and not str(a.type).startswith("ScalarType")
+                 for a in parsed.arguments.flat_all)
+
+
+def generic_fps(nodes, sigs) -> list[int]:
+    """Per node, the fingerprint of its generic signature and its producers' (the shape-free `fp`).
+    `sigs` caches generic signatures by exact signature."""
+    fps: list[int] = []
+    for node in nodes:
+        generic = sigs.get(node.sig)
+        if generic is None:
+            generic = generic_sig(node.sig)
+            sigs.put(node.sig, generic)
+        fps.append(hash((generic, tuple(fps[s] for s, _ in node.srcs))))
+    return fps
+
+
+def generic_key(key: tuple) -> tuple:
+    """A region key (regions.describe) without sizes: the key of its site."""
+    key_nodes, alias, outputs, shared = key
+    return (tuple((func, _generic_tail(func, tail), sources) for func, tail, sources in key_nodes),
+            alias, outputs, shared)
+
+
+def _generic_tail(func, tail: tuple) -> tuple:
+    return generic_sig((func,) + tail)[1:]
+
+
+def _generic(entry, sizes: bool):
+    if _is_metadata(entry):  # (shape, stride, offset, dtype[, source])
+        shape, stride = entry[0], entry[1]
+        return ("tensor", len(shape), entry[3], tuple(s == 0 for s in stride), _order(stride),
+                entry[2] == 0) + tuple(entry[4:])
+    if type(entry) is int and sizes:
+        return _INT
+    if type(entry) is tuple:
+        return tuple(_generic(e, sizes) for e in entry)
+    return entry
+
+
+def _is_metadata(entry) -> bool:
+    return type(entry) is tuple and len(entry) >= 4 and isinstance(entry[0], torch.Size) and \
+        isinstance(entry[3], torch.dtype)
+
+
+def _order(stride) -> tuple[int, ...]:
+    """The dims from outermost to innermost in memory: the layout pattern, sizes aside."""
+    return tuple(sorted(range(len(stride)), key=lambda d: -stride[d]))
+
+
+class IntPath(NamedTuple):
+    """Where an int argument that changes sits: region node position, args or kwargs, the index
+    (and indices into nested lists)."""
+    position: int
+    keyword: bool
+    indices: tuple[int, ...]
+
+
+class Example(NamedTuple):
+    """One signature seen at a site: its exact key and its inputs' sizes."""
+    key: tuple
+    sizes: tuple  # per region argument: its shape, or None for a non-tensor
+
+
+def example(key: tuple, arguments: list) -> Example:
+    return Example(key, tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in arguments))
+
+
+class Changes(NamedTuple):
+    """What differs between two signatures of one site: the dims per argument, the ints."""
+    dims: tuple[frozenset[int], ...]
+    ints: tuple[IntPath, ...]
+
+    def union(self, other: "Changes") -> "Changes":
+        return Changes(tuple(a | b for a, b in zip(self.dims, other.dims)),
+                       tuple(sorted(set(self.ints) | set(other.ints))))
+
+    def dynamic(self):
+        """The compiler's view (symbolic.Dynamic): the arguments' symbolic dims, then one symbolic
+        int per path."""
+        from ..compiler.symbolic import Dynamic  # the compiler layer sits below; imported on first use
+        return Dynamic(self.dims + tuple(frozenset() for _ in self.ints))
+
+
+def changes(first: Example, now: Example) -> Changes:
+    dims = tuple(frozenset() if a is None else frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
+                 for a, b in zip(first.sizes, now.sizes))
+    ints: list[IntPath] = []
+    for position, (mine, theirs) in enumerate(zip(first.key[0], now.key[0])):
+        func, tail_a, tail_b = mine[0], mine[1], theirs[1]
+        _diff_ints(tail_a[0], tail_b[0], position, False, (), ints)
+        if len(tail_a) > 2:
+            _diff_ints(tail_a[2], tail_b[2], position, True, (), ints)
+    return Changes(dims, tuple(ints))
+
+
+def _diff_ints(a, b, position: int, keyword: bool, where: tuple, found: list) -> None:
+    if _is_metadata(a):
+        return
+    if type(a) is tuple:
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff_ints(x, y, position, keyword, where + (i,), found)
+    elif type(a) is int and a != b:
+        found.append(IntPath(position, keyword, where))
+
+
+def int_value(node, path: IntPath) -> int:
+    """The int at `path` among this flush's arguments of the node."""
+    value = list(node.kwargs.values())[path.indices[0]] if path.keyword else node.args[path.indices[0]]
+    for i in path.indices[1:]:
+        value = value[i]
+    return value
+
+
+def with_int(args: tuple, kwargs: dict, path: IntPath, value) -> tuple[tuple, dict]:
+    """The node's (graph) arguments with the int at `path` replaced by `value` (a placeholder)."""
+    if path.keyword:
+        name = list(kwargs)[path.indices[0]]
+        return args, {**kwargs, name: _replaced(kwargs[name], path.indices[1:], value)}
+    return _replaced(args, path.indices, value), kwargs
+
+
+def _replaced(container, indices: tuple, value):
+    if not indices:
+        return value
+    items = list(container)
+    items[indices[0]] = _replaced(items[indices[0]], indices[1:], value)
+    return type(container)(items)
