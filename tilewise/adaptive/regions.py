@@ -80,6 +80,14 @@ def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]])
     return Region(members, inputs, outputs, hidden, shared, key)
 
 
+def key_with(key: tuple, sigs: dict[int, tuple]) -> tuple:
+    """The region key with the nodes at these positions described by other signatures (the same
+    ops seen at other sizes): the key that region had then."""
+    nodes = tuple((func, _strip_sources(sigs[p][1:]) if p in sigs else tail, sources)
+                  for p, (func, tail, sources) in enumerate(key[0]))
+    return (nodes,) + key[1:]
+
+
 def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
     """Groups of input slots that share a storage some region node writes. The compiler traces
     inputs as independent tensors, so a write through one would not be seen through the others;

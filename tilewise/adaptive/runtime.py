@@ -28,7 +28,7 @@ from ..eager.plan import is_random, plan_of
 from . import analysis, events, interrupts, regions, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import (CompiledEntry, Region, RegionStep, Sized, alias_signature, build_graph, describe,
+from .regions import (CompiledEntry, Region, RegionStep, Sized, alias_signature, build_graph, describe, key_with,
                       mixes_dtypes_on_shared_storage, needed_values)
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_other_sizes, on_region_miss,
                      runs_now, stable_after)
@@ -83,13 +83,14 @@ class Runtime:
         self.skeletons = BoundedCache(signatures)
         self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
         self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
+        self.last_sigs = BoundedCache(signatures)     # shape-free fingerprint -> the node.sig it had last
         self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
                 ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "sightings",
-                 "skeletons", "generic_sigs", "seen_generic", "generic_sites")}
+                 "skeletons", "generic_sigs", "seen_generic", "last_sigs", "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs):
@@ -288,12 +289,9 @@ class Runtime:
         threshold = stable_after(self.mode, self.threshold)
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
         # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
-        sized = set()
+        sized, before = set(), {}
         if compiling and len(stable) < len(nodes):
-            generic = shapes.generic_fps(nodes, self.generic_sigs)
-            for fp in set(generic):
-                self.seen_generic.count(fp)
-            sized = {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}
+            sized, before = self._stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
@@ -315,7 +313,7 @@ class Runtime:
                     self._count_dynamic(nodes[step.index], dynamic)
                 continue
             region = describe(segment, members[step.index], needed)
-            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes))
+            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
             if entry is None:
                 final = compiled_all = False
                 steps.extend(NodeStep(i) for i in region.nodes)
@@ -331,6 +329,20 @@ class Runtime:
                           for step in steps if isinstance(step, NodeStep))
         return steps, final, dynamic and compiling and compiled_all and floats_only
 
+    def _stable_without_sizes(self, nodes, stable: set[int], threshold: int) -> tuple[set[int], dict]:
+        """Nodes not stable whose shape-free fingerprint has been seen in `threshold` flushes, and
+        per node the signature its shape-free fingerprint had last time, where that differs."""
+        generic = shapes.generic_fps(nodes, self.generic_sigs)
+        for fp in set(generic):
+            self.seen_generic.count(fp)
+        before = {}
+        for i, fp in enumerate(generic):
+            last = self.last_sigs.get(fp)
+            if last is not None and last != nodes[i].sig:
+                before[i] = last
+            self.last_sigs.put(fp, nodes[i].sig)
+        return {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}, before
+
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
         shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
@@ -341,9 +353,10 @@ class Runtime:
         else:
             self.stats.warmup_ops += 1
 
-    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool):
+    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
         """The compiled region for this region, compiled now if the policy says so; None: run
-        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes."""
+        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
+        `before`: node index -> the signature it had at its previous size."""
         entry = self.regions.get(region.key)
         if entry is _FAILED:
             return None
@@ -352,8 +365,8 @@ class Runtime:
             return entry
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
-        site = self._site(segment, region)
-        if site is not None and site.first.key != region.key:
+        site = self._site(segment, region, before)
+        if site is not None and site.first != region.key:
             return self._other_sizes(segment, region, site)
         site_ops = tuple(segment.nodes[n].func for n in region.nodes)
         signatures = self.sites.get(site_ops, 0) + 1
@@ -374,16 +387,19 @@ class Runtime:
             site.compiles += 1
         return entry
 
-    def _site(self, segment: Segment, region: Region) -> Site | None:
-        """The region's site (its key without sizes), made at its first signature; None for a
-        region that cannot generalise (its inputs share storage: views the compiler would rebuild
-        with sizes compiled in)."""
+    def _site(self, segment: Segment, region: Region, before: dict) -> Site | None:
+        """The region's site (its key without sizes), made at its first signature: the signature
+        its nodes had at their previous size where they had one (so a region whose sizes changed
+        before it formed generalises at once). None for a region that cannot generalise (its
+        inputs share storage: views the compiler would rebuild with sizes compiled in)."""
         if region.shared or len(set(alias_signature(region.arguments(segment)))) < len(region.inputs):
             return None
         key = shapes.generic_key(region.key)
         site = self.generic_sites.get(key)
         if site is None:
-            site = Site(shapes.example(region.key, region.arguments(segment)))
+            earlier = {p: before[n] for p, n in enumerate(region.nodes) if n in before}
+            first = key_with(region.key, earlier) if earlier else region.key
+            site = Site(first if shapes.generic_key(first) == key else region.key)
             self.generic_sites.put(key, site)
         return site
 
@@ -400,9 +416,13 @@ class Runtime:
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
-        changes = shapes.changes(site.first, shapes.example(region.key, region.arguments(segment)))
+        changes = shapes.changes(site.first, region.key)
         if site.changes is not None:
             changes = changes.union(site.changes)
+        ints = [shapes.int_value(segment.nodes[region.nodes[path.position]], path) for path in changes.ints]
+        if changes.specialises(region.key, ints):  # a size 0 or 1: no trace to generalise from; wait for another
+            self.stats.fallback("<region>", Why.ZERO_ONE_SIZE.value, len(region.nodes), source=False)
+            return None
         return self._generalise(segment, region, site, changes)
 
     def _generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
@@ -414,7 +434,8 @@ class Runtime:
         try:
             gm = build_graph(segment, region, changes.ints)
             arguments = regions.arguments(segment, region, changes.ints)
-            generic = _COMPILER_THREAD.submit(compile_generic, gm, arguments, changes.dynamic(), DEVICE.spec, name,
+            dynamic = changes.dynamic(len(region.arguments(segment)))
+            generic = _COMPILER_THREAD.submit(compile_generic, gm, arguments, dynamic, DEVICE.spec, name,
                                               config.specialisation_limit).result()
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
@@ -550,7 +571,7 @@ GENERIC_GUARD_MISS = "sizes outside the generic region's guards"
 class Site:
     """A region site: the region's ops and layout without sizes. Its first signature, and once
     sizes changed, the shape-generic region compiled for it and what it takes as symbolic."""
-    first: shapes.Example
+    first: tuple                         # the region key of its first signature
     generic: object = None               # compiler.symbolic.GenericRegion
     changes: shapes.Changes | None = None
     generalisations: int = 0             # generic compiles made at the site

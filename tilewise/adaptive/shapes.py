@@ -6,8 +6,8 @@ pattern but not sizes, nor the ints the schema takes as sizes (SymInt, SymInt[] 
 arguments: view and expand sizes, arange ends, a mean's divisor). A node whose generic
 fingerprint recurs while its sizes keep changing is as stable as one that repeats exactly.
 
-A region keyed generically is a *site*: the first signature seen there is an `Example`; a second
-one tells which input dims and which int arguments change (`changes`). Those become symbolic in
+A region keyed generically is a *site*: the first signature seen there (its exact key), compared
+with a second, tells which input dims and which int arguments change (`changes`). Those become symbolic in
 one shape-generic compile (compiler/symbolic.py); ints that change become region inputs, found
 again in each flush's nodes by their `IntPath`.
 """
@@ -97,18 +97,28 @@ class IntPath(NamedTuple):
     indices: tuple[int, ...]
 
 
-class Example(NamedTuple):
-    """One signature seen at a site: its exact key and its inputs' sizes."""
-    key: tuple
-    sizes: tuple  # per region argument: its shape, or None for a non-tensor
+def input_sizes(key: tuple) -> tuple[tuple[int, ...], ...]:
+    """Per region input slot, its shape, read from a region key (regions.describe): each node's
+    tensor descriptions come in the order of its inputs, which its sources follow."""
+    sizes: dict[int, tuple[int, ...]] = {}
+    for _, tail, sources in key[0]:
+        described = list(_tensor_entries(tail[0])) + (list(_tensor_entries(tail[2])) if len(tail) > 2 else [])
+        for entry, source in zip(described, sources):
+            if source[0] == "in":
+                sizes.setdefault(source[1], tuple(entry[0]) if _is_metadata(entry) else tuple(entry[2]))
+    return tuple(sizes[slot] for slot in range(len(sizes)))
 
 
-def example(key: tuple, arguments: list) -> Example:
-    return Example(key, tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in arguments))
+def _tensor_entries(descr):
+    for entry in descr:
+        if _is_metadata(entry) or type(entry) is tuple and entry[:1] == ("cpu-scalar",):
+            yield entry
+        elif type(entry) is tuple:
+            yield from _tensor_entries(entry)
 
 
 class Changes(NamedTuple):
-    """What differs between two signatures of one site: the dims per argument, the ints."""
+    """What differs between two signatures of one site: the dims per input slot, the ints."""
     dims: tuple[frozenset[int], ...]
     ints: tuple[IntPath, ...]
 
@@ -116,19 +126,28 @@ class Changes(NamedTuple):
         return Changes(tuple(a | b for a, b in zip(self.dims, other.dims)),
                        tuple(sorted(set(self.ints) | set(other.ints))))
 
-    def dynamic(self):
-        """The compiler's view (symbolic.Dynamic): the arguments' symbolic dims, then one symbolic
-        int per path."""
+    def specialises(self, key: tuple, ints: list[int]) -> bool:
+        """Whether a trace at this signature would fix a symbolic size: PyTorch's ShapeEnv
+        specialises sizes 0 and 1 (broadcasting treats them apart), so a generic region traced at
+        batch size 1 would serve batch size 1 only."""
+        sizes = input_sizes(key)
+        return any(sizes[i][d] < 2 for i, dims in enumerate(self.dims) for d in dims) or any(v < 2 for v in ints)
+
+    def dynamic(self, arguments: int):
+        """The compiler's view (symbolic.Dynamic) of a region taking `arguments` arguments and then
+        the ints: the input slots' symbolic dims (lifted floats: none), one symbolic int per path."""
         from ..compiler.symbolic import Dynamic  # the compiler layer sits below; imported on first use
-        return Dynamic(self.dims + tuple(frozenset() for _ in self.ints))
+        static = frozenset()
+        return Dynamic(self.dims + (static,) * (arguments - len(self.dims)) + (static,) * len(self.ints))
 
 
-def changes(first: Example, now: Example) -> Changes:
-    dims = tuple(frozenset() if a is None else frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
-                 for a, b in zip(first.sizes, now.sizes))
+def changes(first: tuple, now: tuple) -> Changes:
+    """What differs between two region keys of one site (equal without sizes)."""
+    dims = tuple(frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
+                 for a, b in zip(input_sizes(first), input_sizes(now)))
     ints: list[IntPath] = []
-    for position, (mine, theirs) in enumerate(zip(first.key[0], now.key[0])):
-        func, tail_a, tail_b = mine[0], mine[1], theirs[1]
+    for position, (mine, theirs) in enumerate(zip(first[0], now[0])):
+        tail_a, tail_b = mine[1], theirs[1]
         _diff_ints(tail_a[0], tail_b[0], position, False, (), ints)
         if len(tail_a) > 2:
             _diff_ints(tail_a[2], tail_b[2], position, True, (), ints)
