@@ -384,8 +384,13 @@ class Runtime:
             return None
         entry = self._compile(segment, region)
         if entry is not None and site is not None:
-            site.compiles += 1
+            self._count_compile(site, entry.name)
         return entry
+
+    def _count_compile(self, site: Site, name: str) -> None:
+        site.compiles += 1
+        site.label = site.label or name
+        self.stats.site_compiles[site.label] += 1
 
     def _site(self, segment: Segment, region: Region, before: dict) -> Site | None:
         """The region's site (its key without sizes), made at its first signature: the signature
@@ -442,7 +447,7 @@ class Runtime:
         seconds = time.perf_counter() - started
         DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
         site.generic, site.changes = generic, changes
-        site.compiles += 1
+        self._count_compile(site, name)
         self.stats.specialisations += 1  # the example's size, made by the compile
         entry = self._sized(segment, region, site, arguments)
         self.events.publish(events.RegionCompiled(name, self.stats.segments, len(region.nodes), started, seconds,
@@ -576,6 +581,7 @@ class Site:
     changes: shapes.Changes | None = None
     generalisations: int = 0             # generic compiles made at the site
     compiles: int = 0                    # all compiles at the site, static and generic
+    label: str = ""                      # the name of its first compile: the site in stats()
 
 
 class Unfinished(NamedTuple):
