@@ -62,6 +62,8 @@ def test_random_lengths_compile_at_most_twice_per_site_and_run_compiled(mode, tr
     # one trace per compile, not per size: dozens of sizes ran compiled
     assert len(traces) == stats.compiles, (traces, stats.report())
     assert stats.specialisations > 2 * stats.compiles and len(set(lengths)) > 20, stats.report()
+    if mode == "compiled":  # the first length compiled static, the generic compile is a recompile
+        assert stats.recompiles >= 1, stats.report()
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])
@@ -127,10 +129,14 @@ def test_changes_name_the_dims_and_ints_that_differ():
 
 
 def test_policy_generalises_up_to_its_limit():
-    assert policy.on_other_sizes(0, 2).verdict is policy.Verdict.GENERALISE
-    assert policy.on_other_sizes(1, 2).verdict is policy.Verdict.GENERALISE
-    refused = policy.on_other_sizes(2, 2)
+    adaptive, compiled = policy.Mode.ADAPTIVE, policy.Mode.COMPILED
+    assert policy.on_other_sizes(adaptive, False, 1, 0, 2).verdict is policy.Verdict.GENERALISE
+    assert policy.on_other_sizes(compiled, True, 1, 1, 2).verdict is policy.Verdict.GENERALISE
+    refused = policy.on_other_sizes(adaptive, False, 1, 2, 2)
     assert refused.verdict is policy.Verdict.EAGER and refused.reason.why is Why.GENERALISE_LIMIT
+    # while its segment settles, a site generalises only once it has recurred
+    assert policy.on_other_sizes(adaptive, True, 1, 0, 2).verdict is policy.Verdict.WAIT
+    assert policy.on_other_sizes(adaptive, True, 2, 0, 2).verdict is policy.Verdict.GENERALISE
     # adaptive mode does not compile the first signature of a region whose sizes change
     waiting = policy.on_region_miss(policy.Mode.ADAPTIVE, False, 1, 1, 8, sizes_change=True)
     assert waiting.verdict is policy.Verdict.WAIT

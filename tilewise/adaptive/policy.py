@@ -73,12 +73,17 @@ def on_region_miss(mode: Mode, settling: bool, sightings: int, signatures: int, 
     return Decision(Verdict.COMPILE)
 
 
-def on_other_sizes(generalisations: int, generalise_limit: int) -> Decision:
+def on_other_sizes(mode: Mode, settling: bool, sightings: int, generalisations: int,
+                   generalise_limit: int) -> Decision:
     """A region site meets a signature that differs from its first only in sizes or int
     arguments, and no generic region of the site admits it: generalise (again, with the union of
-    what changed), up to `generalise_limit` generic compiles per site."""
+    what changed), up to `generalise_limit` generic compiles per site. As for a static region,
+    adaptive mode waits while the segment is settling until the site has recurred (`sightings`:
+    flushes that formed a region at the site, this one included)."""
     if generalisations >= generalise_limit:
         return Decision(Verdict.EAGER, Reason(Why.GENERALISE_LIMIT, f"{generalise_limit} reached"))
+    if mode is Mode.ADAPTIVE and settling and sightings < 2:
+        return Decision(Verdict.WAIT, Reason(Why.NOT_RECURRED))
     return Decision(Verdict.GENERALISE)
 
 

@@ -290,7 +290,7 @@ class Runtime:
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
         # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
         sized, before = set(), {}
-        if compiling and len(stable) < len(nodes):
+        if compiling and config.generalise_limit and len(stable) < len(nodes):
             sized, before = self._stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
@@ -366,8 +366,10 @@ class Runtime:
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
         site = self._site(segment, region, before)
-        if site is not None and site.first != region.key:
-            return self._other_sizes(segment, region, site)
+        if site is not None and config.generalise_limit and site.first != region.key:
+            changes = shapes.changes(site.first, region.key)
+            if changes.ints or any(changes.dims):  # not only strides or offsets: sizes that change
+                return self._other_sizes(segment, region, site, changes, settling)
         site_ops = tuple(segment.nodes[n].func for n in region.nodes)
         signatures = self.sites.get(site_ops, 0) + 1
         decision = on_region_miss(self.mode, settling, self.sightings.count(region.key), signatures,
@@ -408,7 +410,7 @@ class Runtime:
             self.generic_sites.put(key, site)
         return site
 
-    def _other_sizes(self, segment: Segment, region: Region, site: Site):
+    def _other_sizes(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes, settling: bool):
         """A signature at a site that differs from its first in sizes or int arguments: served by
         the site's generic region if its guards admit it, else generalise (policy permitting)."""
         if site.generic is not None:
@@ -416,12 +418,16 @@ class Runtime:
             if site.generic.admits(arguments):
                 return self._sized(segment, region, site, arguments)
             self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
+        site.sightings += 1
+        decision = on_other_sizes(self.mode, settling, site.sightings, site.generalisations, config.generalise_limit)
+        if decision.verdict is Verdict.WAIT:
+            self.stats.warmup_ops += len(region.nodes)
+            return None
         self.stats.cache_misses += 1
-        decision = on_other_sizes(site.generalisations, config.generalise_limit)
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
-        changes = shapes.changes(site.first, region.key)
+        self.stats.recompiles += self.mode is Mode.COMPILED  # another compile at a site compiled before
         if site.changes is not None:
             changes = changes.union(site.changes)
         ints = [shapes.int_value(segment.nodes[region.nodes[path.position]], path) for path in changes.ints]
@@ -582,6 +588,7 @@ class Site:
     generalisations: int = 0             # generic compiles made at the site
     compiles: int = 0                    # all compiles at the site, static and generic
     label: str = ""                      # the name of its first compile: the site in stats()
+    sightings: int = 0                   # flushes that met it with other sizes and no generic region for them
 
 
 class Unfinished(NamedTuple):
