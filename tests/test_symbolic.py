@@ -62,6 +62,7 @@ def test_random_lengths_compile_at_most_twice_per_site_and_run_compiled(mode, tr
     # one trace per compile, not per size: dozens of sizes ran compiled
     assert len(traces) == stats.compiles, (traces, stats.report())
     assert stats.specialisations > 2 * stats.compiles and len(set(lengths)) > 20, stats.report()
+    assert "shape-generic" in tilewise.explain() and "at this size" in tilewise.explain()
     if mode == "compiled":  # the first length compiled static, the generic compile is a recompile
         assert stats.recompiles >= 1, stats.report()
 

@@ -265,13 +265,19 @@ class Sized:
     are charged (compiler/symbolic.py). Runs are counted on the generic region: a size seen for the
     first time reuses a compile all the same."""
 
-    def __init__(self, generic, cost: tuple):
-        self.generic, self.cost = generic, cost
-        self.runs = 0
+    def __init__(self, generic, made):
+        self.generic, self.made, self.cost = generic, made, made.cost
 
     def run(self, *inputs) -> tuple:
         self.generic.runs += 1
         return self.generic.run(*inputs)
+
+    @property
+    def passes_text(self) -> list[str]:
+        return [self.generic.describe(self.made)]
+
+    def __str__(self) -> str:
+        return self.passes_text[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -474,7 +474,7 @@ class Runtime:
                          (segment.nodes[n].outs[o] for n, o in region.outputs))
         if recorded != made.outputs:
             return self._give_up(region, Reason(Why.GENERIC_LAYOUT, f"{recorded} != {made.outputs}"[:100]))
-        entry = CompiledEntry(Sized(site.generic, made.cost), region, 0.0, site.generic.name,
+        entry = CompiledEntry(Sized(site.generic, made), region, 0.0, site.generic.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})), site.changes.ints)
         self.regions.put(region.key, entry)
         return entry

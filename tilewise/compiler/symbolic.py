@@ -33,7 +33,7 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError
 from . import decompose
 from .driver import PASSES, _zeros_like_layout
-from .region import Region
+from .region import Region, format_graph
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class GenericRegion:
         self.name, self.gm, self.dynamic, self.spec = name, gm, dynamic, spec
         self._symbols = symbols  # (input index, dim or None for an int input, sympy Symbol)
         self.compile_seconds = compile_seconds
-        self._guards = guards  # compiled guard expression, or None: every size is admitted
+        self._guard_text = guards or "none"
+        # the guard expression compiled once (evaluated at every new signature), or None: any size
+        self._guards = compile(guards, f"<{name} guards>", "eval") if guards else None
         self._limit = limit
         self._sizes: collections.OrderedDict = collections.OrderedDict()  # size key -> Specialisation
         self.specialisations = 0  # made so far (evicted ones included)
@@ -95,6 +97,16 @@ class GenericRegion:
             self._sizes.popitem(last=False)
         return made, True
 
+    def describe(self, made: Specialisation) -> str:
+        """The symbolic graph, its guards, and one size's launches with their cost (`explain`)."""
+        lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
+                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self._guard_text}"]
+        lines += format_graph(self.gm.graph)
+        lines += ["", "# at this size:"] + ["  " + str(launch) for launch in made.launches]
+        lines += [f"  # cost of launch {c.name}: {c.engine} {c.seconds * 1e6:.2f} us, {c.hbm_bytes} HBM bytes"
+                  for c in made.cost]
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return f"GenericRegion({self.name!r}, sizes kept={len(self._sizes)}, made={self.specialisations})"
 
@@ -115,8 +127,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     fakes = [_symbolic(value, dims, i, fake_mode, shape_env)
              for i, (value, dims) in enumerate(zip(example_inputs, dynamic.dims))]
     traced = decompose.trace(gm, fakes, "symbolic", name)
-    code = shape_env.produce_guards_expression(fakes, ignore_static=False)
-    guards = compile(code, f"<{name} guards>", "eval") if code else None
+    guards = shape_env.produce_guards_expression(fakes, ignore_static=False)
     symbols = [(i, dim, size.node.expr) for i, fake in enumerate(fakes)
                for dim, size in (enumerate(fake.shape) if isinstance(fake, torch.Tensor) else [(None, fake)])
                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol)]
