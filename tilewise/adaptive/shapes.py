@@ -17,7 +17,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-from torchgen.model import FunctionSchema
 
 _INT = ("int",)  # an int the schema takes as a size or number: its value is not in the generic form
 
@@ -36,11 +35,26 @@ def generic_sig(sig: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _size_arguments(func) -> tuple[bool, ...]:
     """Per schema argument: whether an int there may be a SymInt (a SymInt, SymInt[] or Scalar
-    argument: a size or a number). Python's schema objects show SymInt as int; the schema's text,
-    parsed by torchgen (which PyTorch itself uses), keeps it."""
-    parsed = FunctionSchema.parse(str(func._schema).split("::", 1)[-1])
-    return tuple(str(a.type).startswith(("SymInt", "Scalar")) and not str(a.type).startswith("ScalarType")
-                 for a in parsed.arguments.flat_all)
+    argument: a size or a number). Python's schema objects show SymInt as int; the schema's text
+    keeps it: `aten::view(Tensor(a) self, SymInt[] size) -> Tensor(a)`."""
+    text = str(func._schema)
+    inside = text[text.index("(") + 1:text.rindex(") ->")]
+    types = [part.split(" ", 1)[0] for part in _top_level(inside) if part != "*"]
+    if len(types) != len(func._schema.arguments):  # a schema text we do not read: ints stay exact
+        return (False,) * len(func._schema.arguments)
+    return tuple(t.startswith(("SymInt", "Scalar")) and not t.startswith("ScalarType") for t in types)
+
+
+def _top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets (defaults such as `int[2] stride=[1, 1]`)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([" and 1 or char in ")]" and -1 or 0
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
 
 
 def generic_fps(nodes, sigs) -> list[int]:
