@@ -27,6 +27,7 @@ import sympy
 import torch
 from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from ..device.spec import DeviceSpec
@@ -86,10 +87,12 @@ class GenericRegion:
             return found, False
         started = time.perf_counter()
         values = {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
-        traced = concrete(self.gm, values)
-        region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
-        for _, pass_fn in SPECIALISE_PASSES:
-            region = pass_fn(region)
+        # never run, only lowered: its Python code need not be generated (lazy recompile)
+        with _use_lazy_graph_module(True):
+            traced = concrete(self.gm, values)
+            region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
+            for _, pass_fn in SPECIALISE_PASSES:
+                region = pass_fn(region)
         made = Specialisation(region.launches, region.cost, _output_layouts(traced), time.perf_counter() - started)
         self._sizes[key] = made
         self.specialisations += 1
@@ -164,7 +167,7 @@ def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
                                     dtype=v_.dtype, device="meta") if isinstance(v_, torch.Tensor) else v_
                 for v_ in value)
         env[node] = new
-    return torch.fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
 
 
 def _evaluate(size, values: dict) -> int:
