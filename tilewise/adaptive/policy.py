@@ -8,14 +8,16 @@
     is still warming up; while its neighbours settle, or in the segment that ends an engine block,
     only once it recurs (so no compile goes unused). Compiled mode compiles at first sight.
     Floats seen to change at their site become region inputs, so a schedule compiles once more,
-    not every step. Sizes that change (lengths, batch sizes): a node whose shape-free fingerprint
-    recurs is stable too; a region site (its ops without sizes) that meets a second signature
-    differing only in sizes or int arguments compiles once, shape-generic, with those symbolic
-    (adaptive mode waits for that second signature; compiled mode compiled the first one static);
-    guards on the sizes decide which later signatures it serves, each size's tile programs made
-    cheaply from it. Compiled mode stops recompiling a region site after `recompile_limit`
-    signatures, any mode after `generalise_limit` generic compiles. Whatever does not compile runs eagerly with a typed reason, counted in stats():
-    warming up, dynamic, or another `Why` (tilewise/reasons.py).
+    not every step. Sizes that change (lengths, batch sizes): a node whose fingerprint without
+    sizes recurs is stable too; a region site (its ops and layouts without sizes) whose second
+    signature differs from its first only in sizes or int arguments (view sizes, arange ends)
+    compiles once, shape-generic, those dims and ints symbolic: adaptive mode generalises when the
+    region forms if its nodes were seen at other sizes, compiled mode compiled the first size
+    static. The ShapeEnv's guards decide which sizes it serves (a size 0 or 1 runs eagerly);
+    each new size gets its tile programs from it without tracing again. Compiled mode stops
+    recompiling a site after `recompile_limit` signatures, any mode after `generalise_limit`
+    generic compiles. Whatever does not compile runs eagerly with a typed reason, counted in
+    stats(): warming up, dynamic, or another `Why` (tilewise/reasons.py).
 
 This module is pure: the runtime asks it, it decides from counts it is given.
 """
