@@ -2,8 +2,6 @@
 
 Every test checks values against CPU and counts compiles: a site (a region's ops without sizes)
 compiles at most twice however many sizes come, and runs >= 90% of compute ops compiled."""
-import statistics
-
 import pytest
 import torch
 
@@ -94,13 +92,14 @@ def _per_step_simulated(mode: str, steps: int) -> tuple[list[float], object]:
 
 
 def test_cycling_lengths_adaptive_matches_compiled_simulated_time_with_fewer_compiles():
-    adaptive, adaptive_stats = _per_step_simulated("adaptive", 24)
+    adaptive, adaptive_stats = _per_step_simulated("adaptive", 16)
     adaptive_compiles, adaptive_seconds = adaptive_stats.compiles, adaptive_stats.compile_seconds
     tilewise.reset_caches()
     tilewise.stats().reset()
-    compiled, compiled_stats = _per_step_simulated("compiled", 24)
-    # the cost model's simulated time is deterministic: after warm-up, per step, the same kernels
-    assert statistics.median(adaptive[8:]) <= statistics.median(compiled[8:]) * 1.0001, (adaptive, compiled)
+    compiled, compiled_stats = _per_step_simulated("compiled", 16)
+    # the cost model's simulated time is deterministic: once adaptive mode has generalised (its 5th
+    # step), every step runs the same kernels as compiled mode's, whichever length it has
+    assert all(a <= c * 1.000001 for a, c in zip(adaptive[4:], compiled[4:])), (adaptive, compiled)
     assert 1 <= adaptive_compiles < compiled_stats.compiles, (adaptive_stats.report(), compiled_stats.report())
     assert adaptive_seconds > 0 and compiled_stats.compile_seconds > 0
 

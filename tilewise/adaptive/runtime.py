@@ -352,9 +352,11 @@ class Runtime(GenericSites):
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
         site = self._site(segment, region, before)
-        if site is not None and config.generalise_limit and site.first != region.key:
+        if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
             changes = shapes.changes(site.first, region.key)
-            if changes.ints or any(changes.dims):  # not only strides or offsets: sizes that change
+            # a generic region serves its site's every signature; else generalise only for sizes
+            # that change (strides or offsets alone stay static)
+            if site.generic is not None or changes.ints or any(changes.dims):
                 return self._other_sizes(segment, region, site, changes, settling)
         site_ops = tuple(segment.nodes[n].func for n in region.nodes)
         signatures = self.sites.get(site_ops, 0) + 1
