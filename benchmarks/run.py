@@ -4,7 +4,8 @@ time until the first compiled step and the total time including compilation.
 
 Workloads: an MLP training step, a small GPT training step (AdamW), a memory-bound elementwise
 chain (GELU written out as 8 ops, then mean/variance normalisation over the last dim of a
-4096 x 1024 float32 tensor) and a sequence model whose batch length changes every step.
+4096 x 1024 float32 tensor), a sequence model whose batch length cycles (seq) or is new most steps
+(varlen), and MLP inference whose batch size changes every step (infer).
 Contenders: plain CPU eager, torch.compile with inductor (CPU), tilewise eager / adaptive / compiled.
 
 The engine's caches and statistics are process-wide, so each contender runs in a worker process of
@@ -39,7 +40,8 @@ TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "t
 # as contenders of their own: "tilewise adaptive [torch host]".
 HOST_BACKEND_MODES = ("tilewise adaptive", "tilewise compiled")
 # Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
-STEPS = {"mlp": (60, 4), "gpt": (30, 5), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6)}
+STEPS = {"mlp": (60, 4), "gpt": (30, 5), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6),
+         "varlen": (50, 6), "infer": (50, 6)}
 INDUCTOR_SKIPPED = "skipped in --quick: inductor compiles for 17-40 s cold per graph here (run without --quick)"
 
 
@@ -127,6 +129,42 @@ def seq(device: str, wrap, steps: int, quick: bool):
     return step
 
 
+def varlen(device: str, wrap, steps: int, quick: bool):
+    """The sequence classifier with a new batch length most steps (random in 4..64, seeded)."""
+    from tilewise.workloads import SeqClassifier, random_lengths, seq_batches
+    torch.manual_seed(0)
+    model = SeqClassifier().to(device)
+    forward = wrap(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = seq_batches(steps, random_lengths(steps))
+
+    def step(i: int) -> float:
+        tokens, labels = data[i]
+        loss = F.cross_entropy(forward(tokens.to(device)), labels.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def infer(device: str, wrap, steps: int, quick: bool):
+    """MLP inference under inference_mode, the batch size random in 1..64 every step (seeded)."""
+    from tilewise.workloads import MLP, random_lengths
+    torch.manual_seed(0)
+    model = MLP().eval().to(device)
+    forward = wrap(model)
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(n, 32, generator=generator) for n in random_lengths(steps, 1, 64)]
+
+    def step(i: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return forward(data[i].to(device)).cpu()
+
+    return step
+
+
 def readloss(device: str, wrap, steps: int, quick: bool):
     """The MLP step with the loss read before backward(): two segments per step."""
     from tilewise.workloads import MLP
@@ -178,6 +216,8 @@ WORKLOADS = {
     "chain": (chain, "GELU as 8 ops + mean/variance norm over the last dim, {rows}x1024 f32, forward"),
     "seq": (seq, "sequence classifier, batch length 5/9/12/7 in turn, Adam training step"),
     "readloss": (readloss, "MLP 32-64-10 step reading the loss before backward(), AdamW"),
+    "varlen": (varlen, "sequence classifier, batch length random in 4..64 every step, Adam training step"),
+    "infer": (infer, "MLP 32-64-10 inference under inference_mode, batch size random in 1..64 every step"),
     "cnn": (cnn, "CNN (2 conv+BatchNorm, 16 ch, 16x16) step, SGD momentum, cosine LR schedule, batch 8"),
 }
 
@@ -215,7 +255,8 @@ class Meter:
         import tilewise
         s = tilewise.stats()
         per_region = [r.compile_seconds for r in s.regions.values() if r.compile_seconds > 0]
-        return {"compiles": s.compiles, "compile_s": s.compile_seconds, "cache_hits": s.cache_hits,
+        return {"compiles": s.compiles, "compile_s": s.compile_seconds, "specialisations": s.specialisations,
+                "specialise_s": s.specialise_seconds, "cache_hits": s.cache_hits,
                 "cache_misses": s.cache_misses, "compiled_fraction": s.compiled_fraction,
                 "median_compile_ms_per_region": 1e3 * statistics.median(per_region) if per_region else None}
 

@@ -1,9 +1,11 @@
 """Dynamic shapes: a sequence classifier trained on batches of a different length every step.
 
-The forward and backward see a new sequence length each batch, so the engine keeps them eager
-(adaptive mode) or recompiles them per length until its recompile limit (compiled mode). The
-optimizer step touches only the parameters, whose shapes never change: it is compiled once and
-served from the cache whatever the length. The statistics list both, with the reason and the line.
+The forward and backward see a new sequence length each batch. Once the same ops have come at
+two lengths, the engine compiles them once for every length: the length becomes a symbolic size
+of one shape-generic region (compiled mode compiles the first length as it is, then generalises),
+and each new length only gets its tile programs made from it (`specialised` in the statistics).
+The optimizer step, whose shapes never change, runs in the same region. The statistics say how
+many compiles each region site took (at most two) and what ran eagerly, and why.
 
     python examples/dynamic_lengths.py           # mode from TILEWISE_MODE, default "adaptive"
     TILEWISE_MODE=compiled python examples/dynamic_lengths.py
@@ -59,7 +61,7 @@ def main():
 
     stats = tilewise.stats()
     print(f"{len(set(lengths))} different lengths; {100 * stats.compiled_fraction:.0f}% of compute ops ran "
-          "compiled; the fallbacks below say which ran eagerly, and why")
+          "compiled; the statistics say what ran eagerly, and why")
     print(stats.report())
 
 

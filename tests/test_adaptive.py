@@ -144,19 +144,21 @@ def test_changing_lengths_bounded_compiles_and_optimizer_compiled():
 
 def test_dynamic_part_reported_with_reason():
     tilewise.stats().reset()
-    train_seq("neuron", "adaptive", steps=6, lengths=(5, 9, 12, 7, 6, 11))
+    with tilewise.config.patch(generalise_limit=0):  # sizes that change stay eager (tests/test_symbolic.py)
+        train_seq("neuron", "adaptive", steps=6, lengths=(5, 9, 12, 7, 6, 11))
     reasons = {reason for (_, reason) in tilewise.stats().fallbacks}
     assert any(reason.startswith("dynamic") for reason in reasons), tilewise.stats().report()
 
 
 def test_compiled_mode_counts_recompiles():
     tilewise.stats().reset()
-    train_seq("neuron", "compiled", steps=8, lengths=(5, 9, 12, 7))
+    with tilewise.config.patch(generalise_limit=0):  # static regions only: one compile per length
+        train_seq("neuron", "compiled", steps=8, lengths=(5, 9, 12, 7))
     assert tilewise.stats().recompiles >= 3, tilewise.stats().report()
 
 
 def test_recompile_limit_falls_back_to_eager_and_says_so():
-    with tilewise.config.patch(recompile_limit=1):
+    with tilewise.config.patch(recompile_limit=1, generalise_limit=0):
         reference = train_seq("cpu", None, steps=8, lengths=(5, 9, 12, 7))
         tilewise.stats().reset()
         result = train_seq("neuron", "compiled", steps=8, lengths=(5, 9, 12, 7))

@@ -21,6 +21,8 @@ BAD_VALUES = {
     "cache_dir": [5, 1.5, ["/tmp"], object()],
     "cache_key_file": [5, 1.5, ["/tmp/key"], object()],
     "recompile_limit": [-1, 0.5, "many", float("inf"), False],
+    "generalise_limit": [-1, 1.5, "twice", float("nan"), None],
+    "specialisation_limit": [0, -2, 2.5, "all", float("inf")],
     "max_segment_ops": [0, -5, 2.5, "lots", float("-inf")],
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
@@ -32,6 +34,7 @@ BAD_VALUES = {
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
            "cache_key_file": "file path",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
+           "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
            "host_backend": "native, torch", "cores": ">= 1"}
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKLOADS = ("mlp", "gpt", "chain", "seq", "readloss", "cnn")
+WORKLOADS = ("mlp", "gpt", "chain", "seq", "readloss", "cnn", "varlen", "infer")
 CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
 
 

@@ -27,9 +27,9 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 @pytest.fixture(scope="module")
 def seq_run():
     """train_seq for 8 steps: lengths 5, 9, 12, 7 repeat, so the optimizer's regions compile and
-    the forward and backward stay dynamic."""
+    the forward and backward stay dynamic (generalise_limit=0: no shape-generic regions)."""
     tilewise.reset_caches()
-    with tilewise.config.patch(threshold=3), tilewise.explorer.record() as recorder:
+    with tilewise.config.patch(threshold=3, generalise_limit=0), tilewise.explorer.record() as recorder:
         train_seq("neuron", mode="adaptive", steps=8)
     return recorder.run()
 

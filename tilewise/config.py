@@ -106,6 +106,12 @@ SETTINGS: dict[str, Setting] = {
                               "per-user secret (0600, made on first use) that authenticates disk cache entries"),
     "recompile_limit": Setting(8, "TILEWISE_RECOMPILE_LIMIT", _int_at_least(0),
                                "compiled mode: signatures per region before it gives up and runs eagerly"),
+    "generalise_limit": Setting(2, "TILEWISE_GENERALISE_LIMIT", _int_at_least(0),
+                                "shape-generic compiles per region site (its sizes seen to change) before it runs "
+                                "eagerly; 0 keeps every region static"),
+    "specialisation_limit": Setting(64, "TILEWISE_SPECIALISATION_LIMIT", _int_at_least(1),
+                                    "sizes of one shape-generic region whose tile programs are kept (the cost "
+                                    "model's kernels, cheap to remake); least recently used are dropped"),
     "max_segment_ops": Setting(10_000, "TILEWISE_MAX_SEGMENT_OPS", _int_at_least(1),
                                "a lazy segment is flushed when it holds this many ops"),
     "region_cache_size": Setting(256, "TILEWISE_REGION_CACHE_SIZE", _int_at_least(1),

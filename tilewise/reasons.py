@@ -16,6 +16,9 @@ class Why(enum.Enum):
     UNRECORDABLE = "cannot be deferred"
     MIXED_DTYPE_VIEWS = "writes a storage its inputs view in different dtypes"
     RECOMPILE_LIMIT = "recompile limit"
+    GENERALISE_LIMIT = "generalise limit"  # a region site's sizes changed past its generic compiles
+    ZERO_ONE_SIZE = "a size that changes is 0 or 1 here (PyTorch specialises those)"
+    GENERIC_LAYOUT = "the generic region's output layout differs from eager's"
     COMPILE_FAILED = "compile failed"
     READS_DEVICE_DATA = "reads device data on the host"
     COPY_TO_HOST = "copy to host"

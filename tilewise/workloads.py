@@ -167,6 +167,25 @@ def train_seq(device="cpu", mode=None, steps=20, seed=0, lengths=(5, 9, 12, 7), 
     return _finish(model, losses)
 
 
+def random_lengths(steps, low=4, high=64, seed=0):
+    """A new length (or batch size) most steps, uniform in low..high, from a seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(int(n) for n in torch.randint(low, high + 1, (steps,), generator=generator))
+
+
+def infer_mlp(device="cpu", mode=None, steps=50, seed=0, low=1, high=64):
+    """MLP inference under inference_mode with a batch size that changes every step; the outputs."""
+    torch.manual_seed(seed)
+    model = MLP().eval().to(device)
+    generator = torch.Generator().manual_seed(seed + 1)
+    batches = [torch.randn(n, 32, generator=generator) for n in random_lengths(steps, low, high, seed)]
+    outputs = []
+    with torch.inference_mode(), _engine(device, mode):
+        for x in batches:
+            outputs.append(model(x.to(device)).cpu())
+    return outputs
+
+
 def _sync_point(device):
     # The loop reads the loss before stepping; the optimizer step then starts a segment of its own.
     if device != "cpu":

@@ -16,7 +16,7 @@ import torch.fx
 from ..device.runtime import DEVICE
 from ..eager.executor import run_host
 from ..errors import TilewiseError
-from . import scalars
+from . import scalars, shapes
 from .analysis import storages
 from .segment import FUNCTIONAL, VIEW, Segment
 
@@ -80,6 +80,14 @@ def describe(segment: Segment, members: list[int], needed: set[tuple[int, int]])
     return Region(members, inputs, outputs, hidden, shared, key)
 
 
+def key_with(key: tuple, sigs: dict[int, tuple]) -> tuple:
+    """The region key with the nodes at these positions described by other signatures (the same
+    ops seen at other sizes): the key that region had then."""
+    nodes = tuple((func, _strip_sources(sigs[p][1:]) if p in sigs else tail, sources)
+                  for p, (func, tail, sources) in enumerate(key[0]))
+    return (nodes,) + key[1:]
+
+
 def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
     """Groups of input slots that share a storage some region node writes. The compiler traces
     inputs as independent tensors, so a write through one would not be seen through the others;
@@ -134,8 +142,9 @@ def alias_signature(tensors: list[torch.Tensor]) -> tuple:
                  for i, t in enumerate(tensors))
 
 
-def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
-    """The region as an FX graph of aten ops: placeholders are its inputs, outputs what leaves."""
+def build_graph(segment: Segment, region: Region, ints: tuple[shapes.IntPath, ...] = ()) -> torch.fx.GraphModule:
+    """The region as an FX graph of aten ops: placeholders are its inputs, outputs what leaves
+    (then, for a shape-generic region, one int placeholder per int argument that changes)."""
     graph = torch.fx.Graph()
     by_id: dict[int, torch.fx.Node] = {}
     grouped = {slot for group in region.shared for slot in group}
@@ -151,20 +160,24 @@ def build_graph(segment: Segment, region: Region) -> torch.fx.GraphModule:
                 (storage, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
     lifted = {n: [graph.placeholder(f"scalar{n}_{i}") for i in range(len(segment.nodes[n].lifts))]
               for n in region.nodes if segment.nodes[n].lifts}
+    int_inputs = [(path, graph.placeholder(f"int{i}")) for i, path in enumerate(ints)]
     values: dict[tuple[int, int], torch.fx.Node] = {}
-    for n in region.nodes:
+    for position, n in enumerate(region.nodes):
         node = segment.nodes[n]
         lookup = lambda t: _fx_value(segment, t, values, by_id)  # noqa: E731
+        args, kwargs = _map(node.args, lookup), _map_kw(node.kwargs, lookup)
+        for path, placeholder in int_inputs:
+            if path.position == position:
+                args, kwargs = shapes.with_int(args, kwargs, path, placeholder)
         if node.func in _ALIASES:
             # detach/alias only cut autograd history, which a region graph has none of; as graph
             # nodes they trip functionalization, as identities they compute the same values.
             values[(n, 0)] = lookup(node.args[0])
             continue
         if n in lifted:
-            call = scalars.lifted_call(graph, node.func, list(_map(node.args, lookup)), _map_kw(node.kwargs, lookup),
-                                       node.lifts, lifted[n])
+            call = scalars.lifted_call(graph, node.func, list(args), kwargs, node.lifts, lifted[n])
         else:
-            call = graph.call_function(node.func, _map(node.args, lookup), _map_kw(node.kwargs, lookup))
+            call = graph.call_function(node.func, args, kwargs)
         outs = node.outs or ()
         if len(outs) == 1 and not isinstance(node.func._schema.returns[0].type, torch.ListType) \
                 and len(node.func._schema.returns) == 1:
@@ -210,10 +223,14 @@ def store(buffer: torch.Tensor, value: torch.Tensor) -> None:
 
 
 class CompiledEntry:
-    """A compiled region in the cache: runs it on this flush's buffers and charges its kernels."""
+    """A compiled region in the cache: runs it on this flush's buffers and charges its kernels.
+    For one size of a shape-generic region, `compiled` is a `Sized` and `ints` says where the int
+    arguments it takes as inputs are."""
 
-    def __init__(self, compiled, region: Region, compile_seconds: float, name: str, op_names: tuple):
+    def __init__(self, compiled, region: Region, compile_seconds: float, name: str, op_names: tuple,
+                 ints: tuple[shapes.IntPath, ...] = ()):
         self.compiled = compiled
+        self.ints = ints
         self.name = name
         self.op_names = op_names
         self.ops = len(region.nodes)
@@ -223,13 +240,44 @@ class CompiledEntry:
         self.seconds = sum(launch.seconds for launch in compiled.cost)
 
     def run(self, segment: Segment, region: Region) -> None:
-        results = self.compiled.run(*region.arguments(segment))
+        results = self.compiled.run(*arguments(segment, region, self.ints))
         for (n, o), value in zip(region.outputs, results):
             store(segment.nodes[n].outs[o], value)
         record = DEVICE.cores[segment.core].timeline.record
         for launch in self.compiled.cost:
             record(*launch, self.name)
         self.runs += 1
+
+    @property
+    def reused(self) -> bool:
+        """Whether this run reused the compile (a hit): any run after the first of the compile."""
+        return (self.compiled.generic.runs if isinstance(self.compiled, Sized) else self.runs) > 1
+
+
+def arguments(segment: Segment, region: Region, ints: tuple[shapes.IntPath, ...] = ()) -> list:
+    """The region's arguments, then this flush's values of the int arguments a generic region takes."""
+    return region.arguments(segment) + [shapes.int_value(segment.nodes[region.nodes[path.position]], path)
+                                        for path in ints]
+
+
+class Sized:
+    """One size of a shape-generic region: the symbolic host graph runs, this size's tile programs
+    are charged (compiler/symbolic.py). Runs are counted on the generic region: a size seen for the
+    first time reuses a compile all the same."""
+
+    def __init__(self, generic, made):
+        self.generic, self.made, self.cost = generic, made, made.cost
+
+    def run(self, *inputs) -> tuple:
+        self.generic.runs += 1
+        return self.generic.run(*inputs)
+
+    @property
+    def passes_text(self) -> list[str]:
+        return [self.generic.describe(self.made)]
+
+    def __str__(self) -> str:
+        return self.passes_text[0]
 
 
 @dataclass(frozen=True, slots=True)

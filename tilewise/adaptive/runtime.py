@@ -24,13 +24,14 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import check_device, execute, run
 from ..eager.plan import is_random, plan_of
-from . import analysis, events, interrupts, regions, scalars
+from . import analysis, events, interrupts, regions, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe, mixes_dtypes_on_shared_storage,
-                      needed_values)
-from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
-                     stable_after)
+from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe,
+                      mixes_dtypes_on_shared_storage, needed_values)
+from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
+                     runs_now, stable_after)
+from .generic import GenericSites
 from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
 
@@ -42,7 +43,7 @@ SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
-class Runtime:
+class Runtime(GenericSites):
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -78,12 +79,16 @@ class Runtime:
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons = BoundedCache(signatures)
+        self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
+        self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
+        self.last_sigs = BoundedCache(signatures)     # shape-free fingerprint -> the node.sig it had last
+        self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
         self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
                 ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "sightings",
-                 "skeletons")}
+                 "skeletons", "generic_sigs", "seen_generic", "last_sigs", "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs, settings: Settings):
@@ -291,6 +296,11 @@ class Runtime:
         compiling = mode is not Mode.EAGER
         threshold = stable_after(mode, segment.settings.threshold)
         stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
+        # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
+        sized, before = set(), {}
+        if compiling and config.generalise_limit and len(stable) < len(nodes):
+            sized, before = self._stable_without_sizes(nodes, stable, threshold)
+            stable |= sized
         graph = analysis.dataflow_graph(nodes)
         # a region of views only would compile to no kernel: views are taken at record time
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
@@ -311,7 +321,7 @@ class Runtime:
                     self._count_dynamic(nodes[step.index], dynamic)
                 continue
             region = describe(segment, members[step.index], needed)
-            entry = self._entry(segment, region, settling)
+            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
             if entry is None:
                 final = compiled_all = False
                 steps.extend(NodeStep(i) for i in region.nodes)
@@ -337,9 +347,10 @@ class Runtime:
         else:
             self.stats.warmup_ops += 1
 
-    def _entry(self, segment: Segment, region: Region, settling: bool):
+    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
         """The compiled region for this region, compiled now if the policy says so; None: run
-        its nodes eagerly."""
+        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
+        `before`: node index -> the signature it had at its previous size."""
         entry = self.regions.get(region.key)
         if entry is _FAILED:
             return None
@@ -348,22 +359,32 @@ class Runtime:
             return entry
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
-        site = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.sites.get(site, 0) + 1
+        site = self._site(segment, region, before)
+        if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
+            changes = shapes.changes(site.first, region.key)
+            # a generic region serves its site's every signature; else generalise only for sizes
+            # that change (strides or offsets alone stay static)
+            if site.generic is not None or changes.ints or any(changes.dims):
+                return self._other_sizes(segment, region, site, changes, settling)
+        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
+        signatures = self.sites.get(site_ops, 0) + 1
         mode = segment.settings.mode
         decision = on_region_miss(mode, settling, self.sightings.count(region.key), signatures,
-                                  config.recompile_limit)
+                                  config.recompile_limit, sizes_change)
         if decision.verdict is Verdict.WAIT:
             self.stats.warmup_ops += len(region.nodes)
             return None
         self.stats.cache_misses += 1
         if mode is Mode.COMPILED:
-            self.sites.put(site, signatures)
+            self.sites.put(site_ops, signatures)
             self.stats.recompiles += signatures > 1
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
-        return self._compile(segment, region)
+        entry = self._compile(segment, region)
+        if entry is not None and site is not None:
+            self._count_compile(site, entry.name)
+        return entry
 
     def _give_up(self, region: Region, reason: Reason) -> None:
         self.regions.put(region.key, _FAILED)
@@ -377,10 +398,7 @@ class Runtime:
         try:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
-            # The compiler traces with fake tensors and functionalization of its own; a flush may
-            # run inside the tracer's dispatch of the op that caused it, whose thread-local dispatch
-            # state breaks that tracing. A thread of its own starts from clean state.
-            compiled = _COMPILER_THREAD.submit(compile_graph, gm, inputs, DEVICE.spec, name=name).result()
+            compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         seconds = time.perf_counter() - started
@@ -392,6 +410,13 @@ class Runtime:
             name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]))
         return entry
+
+    @staticmethod
+    def in_compiler_thread(compile_fn, *args, **kwargs):
+        """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
+        a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
+        dispatch state breaks that tracing. A thread of its own starts from clean state."""
+        return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
 
     def _guard_miss(self, segment: Segment, steps) -> str | None:
         for step in steps:
@@ -453,10 +478,10 @@ class Runtime:
         region, entry = step.region, step.entry
         entry.run(segment, region)
         self.stats.ops_compiled += len(region.nodes)
-        self.stats.cache_hits += entry.runs > 1
+        self.stats.cache_hits += entry.reused
         detail = self.stats.regions.get(entry.name)
         if detail is not None:
-            detail.hits += entry.runs > 1
+            detail.hits += entry.reused
             detail.kernels = entry.kernels
             detail.simulated_seconds += entry.seconds
 

@@ -46,6 +46,10 @@ class Stats:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.recompiles = 0
+        # per-size tile programs of shape-generic regions (cheap: no decomposition; not compiles)
+        self.specialisations = 0
+        self.specialise_seconds = 0.0
+        self.site_compiles: collections.Counter = collections.Counter()  # region site -> compiles there
         self.cache_hits = 0
         self.cache_misses = 0
         self.guard_misses: collections.Counter = collections.Counter()   # reason -> count
@@ -104,6 +108,12 @@ class Stats:
         return sum(t.seconds for t in self.collectives.values())
 
     @property
+    def most_compiles_per_site(self) -> int:
+        """The most compiles at one region site (its ops and layout without sizes): static and
+        shape-generic ones; the policy keeps it at 2 for sizes that keep changing."""
+        return max(self.site_compiles.values(), default=0)
+
+    @property
     def compiled_fraction(self) -> float:
         ran = self.ops_compiled + self.ops_eager
         return self.ops_compiled / ran if ran else 0.0
@@ -116,6 +126,8 @@ class Stats:
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "specialisations": self.specialisations, "specialise_seconds": self.specialise_seconds,
+            "most_compiles_per_site": self.most_compiles_per_site,
             "unused_compiles": self.unused_compiles,
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
             "guard_misses": dict(self.guard_misses),
@@ -138,7 +150,9 @@ class Stats:
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
-            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}",
+            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
+            f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s), "
+            f"at most {self.most_compiles_per_site} compiles at one region site",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",

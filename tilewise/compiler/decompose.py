@@ -271,7 +271,13 @@ def _expand_exactly(x: torch.Tensor, size, implicit: bool = False) -> torch.Tens
 
 
 def decompose(region: Region) -> Region:
-    gm, example_inputs, name = region.gm, region.example_inputs, region.name
+    traced = trace(region.gm, _tracing_inputs(region.example_inputs), "fake", region.name)
+    return region.replace(pass_name="decompose", gm=traced, example_inputs=())
+
+
+def trace(gm: torch.fx.GraphModule, inputs, tracing_mode: str, name: str) -> torch.fx.GraphModule:
+    """The region re-traced through the decompositions and functionalized. `inputs` are tensors
+    (or, for a shape-generic region, fake tensors with symbolic sizes and SymInts: compiler/symbolic.py)."""
     flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(host_factories(flat_module(gm)))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
@@ -282,10 +288,10 @@ def decompose(region: Region) -> Region:
 
     try:
         traced = make_fx(functionalize(flat_fn, remove="mutations"), decomposition_table=table,
-                         tracing_mode="fake")(*_tracing_inputs(example_inputs))
+                         tracing_mode=tracing_mode)(*inputs)
     except _DATA_DEPENDENT as error:  # a decomposition that reads data (take's bounds check, say)
         raise CompileError(f"{name}: a decomposition depends on data ({type(error).__name__}); "
                            "it runs eagerly") from error
     traced.graph.eliminate_dead_code()
     traced.recompile()
-    return region.replace(pass_name="decompose", gm=traced, example_inputs=())
+    return traced

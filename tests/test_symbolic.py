@@ -1,0 +1,191 @@
+"""Sizes that change: shape-generic regions (adaptive/shapes.py, compiler/symbolic.py).
+
+Every test checks values against CPU and counts compiles: a site (a region's ops without sizes)
+compiles at most twice however many sizes come, and runs >= 90% of compute ops compiled."""
+import pytest
+import torch
+
+import tilewise
+from tilewise.adaptive import policy, shapes
+from tilewise.adaptive import RUNTIME
+from tilewise.compiler import decompose
+from tilewise.compiler.symbolic import Dynamic, compile_generic
+from tilewise.device.runtime import DEVICE
+from tilewise.reasons import Why
+from tilewise.workloads import infer_mlp, random_lengths, train_seq
+
+aten = torch.ops.aten
+STEPS = 50
+
+
+@pytest.fixture(autouse=True)
+def cold():
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    yield
+
+
+def assert_same_training(reference, result):
+    ref_losses, ref_params = reference
+    losses, params = result
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts make_fx traces through the decompositions (static and symbolic compiles alike)."""
+    calls = []
+    original = decompose.trace
+
+    def counted(gm, inputs, tracing_mode, name):
+        calls.append(tracing_mode)
+        return original(gm, inputs, tracing_mode, name)
+
+    monkeypatch.setattr(decompose, "trace", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_random_lengths_compile_at_most_twice_per_site_and_run_compiled(mode, traces):
+    lengths = random_lengths(STEPS, 4, 64)
+    reference = train_seq("cpu", None, steps=STEPS, lengths=lengths)
+    result = train_seq("neuron", mode, steps=STEPS, lengths=lengths)
+    assert_same_training(reference, result)
+    stats = tilewise.stats()
+    assert stats.compiled_fraction >= 0.90, stats.report()
+    assert 1 <= stats.most_compiles_per_site <= 2, stats.report()
+    assert "symbolic" in traces, "no shape-generic compile happened"
+    # one trace per compile, not per size: dozens of sizes ran compiled
+    assert len(traces) == stats.compiles, (traces, stats.report())
+    assert stats.specialisations > 2 * stats.compiles and len(set(lengths)) > 20, stats.report()
+    assert "shape-generic" in tilewise.explain() and "at this size" in tilewise.explain()
+    if mode == "compiled":  # the first length compiled static, the generic compile is a recompile
+        assert stats.recompiles >= 1, stats.report()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_inference_with_changing_batch_size_compiles_once_per_site(mode):
+    reference = infer_mlp("cpu", None, steps=STEPS)
+    result = infer_mlp("neuron", mode, steps=STEPS)
+    for got, want in zip(result, reference):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    stats = tilewise.stats()
+    assert stats.compiled_fraction >= 0.90, stats.report()
+    assert 1 <= stats.most_compiles_per_site <= 2, stats.report()
+    assert stats.specialisations > 10, stats.report()
+
+
+def _per_step_simulated(mode: str, steps: int) -> tuple[list[float], object]:
+    times = []
+    last = [0.0]
+
+    def on_step(step):
+        now = tilewise.stats().simulated_seconds
+        times.append(now - last[0])
+        last[0] = now
+
+    train_seq("neuron", mode, steps=steps, lengths=(5, 9, 12, 7), on_step=on_step)
+    return times, tilewise.stats()
+
+
+def test_cycling_lengths_adaptive_matches_compiled_simulated_time_with_fewer_compiles():
+    adaptive, adaptive_stats = _per_step_simulated("adaptive", 16)
+    adaptive_compiles, adaptive_seconds = adaptive_stats.compiles, adaptive_stats.compile_seconds
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    compiled, compiled_stats = _per_step_simulated("compiled", 16)
+    # the cost model's simulated time is deterministic: once adaptive mode has generalised (its 5th
+    # step), every step runs the same kernels as compiled mode's, whichever length it has
+    assert all(a <= c * 1.000001 for a, c in zip(adaptive[4:], compiled[4:])), (adaptive, compiled)
+    assert 1 <= adaptive_compiles < compiled_stats.compiles, (adaptive_stats.report(), compiled_stats.report())
+    assert adaptive_seconds > 0 and compiled_stats.compile_seconds > 0
+
+
+def test_generic_signature_drops_sizes_but_keeps_dims_and_dtypes():
+    meta = (torch.Size([8, 5, 32]), (160, 32, 1), 0, torch.float32, ("x",))
+    other = (torch.Size([8, 9, 32]), (288, 32, 1), 0, torch.float32, ("x",))
+    view = lambda m, n: (aten.view.default, (m, (n, 32)), ())  # noqa: E731
+    assert shapes.generic_sig(view(meta, 40)) == shapes.generic_sig(view(other, 72))
+    mean = lambda m, d: (aten.mean.dim, (m, (d,)), ())  # noqa: E731  dims are no sizes: kept
+    assert shapes.generic_sig(mean(meta, 1)) != shapes.generic_sig(mean(meta, 2))
+    half = (torch.Size([8, 5, 32]), (160, 32, 1), 0, torch.float16, ("x",))
+    assert shapes.generic_sig(view(meta, 40)) != shapes.generic_sig(view(half, 40))
+    transposed = (torch.Size([8, 32, 5]), (160, 1, 32), 0, torch.float32, ("x",))
+    assert shapes.generic_sig(view(meta, 40)) != shapes.generic_sig(view(transposed, 40))
+
+
+def test_changes_name_the_dims_and_ints_that_differ():
+    def key(n):
+        meta = (torch.Size([8, n, 32]), (n * 32, 32, 1), 0, torch.float32)
+        return (((aten.view.default, ((meta, (8 * n, 32)), ()), (("in", 0),)),), (0,), ((0, 0),), ())
+
+    found = shapes.changes(key(5), key(9))
+    assert found.dims == (frozenset({1}),)
+    assert found.ints == (shapes.IntPath(0, False, (1, 0)),)
+    assert found.dynamic(1) == Dynamic((frozenset({1}), frozenset()))
+
+
+def test_policy_generalises_up_to_its_limit():
+    adaptive, compiled = policy.Mode.ADAPTIVE, policy.Mode.COMPILED
+    assert policy.on_other_sizes(adaptive, False, 1, 0, 2).verdict is policy.Verdict.GENERALISE
+    assert policy.on_other_sizes(compiled, True, 1, 1, 2).verdict is policy.Verdict.GENERALISE
+    refused = policy.on_other_sizes(adaptive, False, 1, 2, 2)
+    assert refused.verdict is policy.Verdict.EAGER and refused.reason.why is Why.GENERALISE_LIMIT
+    # while its segment settles, a site generalises only once it has recurred
+    assert policy.on_other_sizes(adaptive, True, 1, 0, 2).verdict is policy.Verdict.WAIT
+    assert policy.on_other_sizes(adaptive, True, 2, 0, 2).verdict is policy.Verdict.GENERALISE
+    # adaptive mode does not compile the first signature of a region whose sizes change
+    waiting = policy.on_region_miss(policy.Mode.ADAPTIVE, False, 1, 1, 8, sizes_change=True)
+    assert waiting.verdict is policy.Verdict.WAIT
+    assert policy.on_region_miss(policy.Mode.COMPILED, False, 1, 1, 8, sizes_change=True).verdict \
+        is policy.Verdict.COMPILE
+
+
+def _view_mm_graph():
+    graph = torch.fx.Graph()
+    x, w, n = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("n")
+    rows = graph.call_function(aten.view.default, (x, [n, 32]))
+    out = graph.call_function(aten.mm.default, (rows, w))
+    graph.output((out, graph.call_function(aten.div.Scalar, (graph.call_function(aten.sum.dim_IntList, (out, [0])), n))))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_generic_region_runs_every_admitted_size_and_guards_the_rest():
+    w = torch.randn(32, 32)
+    generic = compile_generic(_view_mm_graph(), [torch.randn(8, 5, 32), w, 40],
+                              Dynamic((frozenset({1}), frozenset(), frozenset())), DEVICE.spec, "r", limit=2)
+    for length in (9, 12, 3):
+        x = torch.randn(8, length, 32)
+        assert generic.admits([x, w, 8 * length])
+        assert not generic.admits([x, w, 8 * length + 1])  # the view size must match the length
+        assert not generic.admits([torch.randn(4, length, 32), w, 4 * length])  # batch 8 is static
+        made, new = generic.specialise([x, w, 8 * length])
+        assert new and made.outputs[0][0] == (8 * length, 32) and made.cost
+        rows, mean = generic.run(x, w, 8 * length)
+        torch.testing.assert_close(rows, x.view(-1, 32) @ w)
+        torch.testing.assert_close(mean, (x.view(-1, 32) @ w).sum(0) / (8 * length))
+    assert generic.specialise([torch.randn(8, 3, 32), w, 24])[1] is False  # kept
+    assert generic.specialisations == 4 and len(generic._sizes) == 2  # bounded by `limit`
+
+
+def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh()).eval()
+    sizes = (6, 9, 13, 1, 17, 1, 21, 5)
+    batches = [torch.randn(n, 32) for n in sizes]
+    with torch.inference_mode():
+        reference = [model(x) for x in batches]
+    model.to("neuron")
+    with torch.inference_mode(), tilewise.engine(mode="adaptive"):
+        results = [model(x.to("neuron")).cpu() for x in batches]
+    for got, want in zip(results, reference):
+        torch.testing.assert_close(got, want)
+    stats = tilewise.stats()
+    assert stats.compiles == 1 and stats.most_compiles_per_site == 1, stats.report()
+    assert stats.ops_compiled > 0
+    reasons = {reason for _, reason in stats.fallbacks}
+    assert Why.ZERO_ONE_SIZE.value in reasons, stats.report()
+    assert RUNTIME.regions.size().entries > 0

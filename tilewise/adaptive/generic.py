@@ -1,0 +1,140 @@
+"""The runtime's part in shape-generic regions: which nodes are stable without their sizes, the
+region sites (a region's ops and layouts without sizes), and compiling and serving one generic
+region per site (tilewise/adaptive/shapes.py says what a site is and what changed; the compiler's
+symbolic.py traces it). `Runtime` takes these methods from `GenericSites`; they use its caches,
+statistics and events.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..config import config
+from ..device.runtime import DEVICE
+from . import events, regions, shapes
+from .policy import Mode, Reason, Verdict, Why, on_other_sizes
+from .regions import CompiledEntry, Region, Sized, alias_signature, build_graph, key_with
+from .segment import Segment
+
+GENERIC_GUARD_MISS = "sizes outside the generic region's guards"
+
+
+@dataclass
+class Site:
+    """A region site: the region's ops and layout without sizes. Its first signature, and once
+    sizes changed, the shape-generic region compiled for it and what it takes as symbolic."""
+    first: tuple                         # the region key of its first signature
+    generic: object = None               # compiler.symbolic.GenericRegion
+    changes: shapes.Changes | None = None
+    generalisations: int = 0             # generic compiles made at the site
+    compiles: int = 0                    # all compiles at the site, static and generic
+    label: str = ""                      # the name of its first compile: the site in stats()
+    sightings: int = 0                   # flushes that met it with other sizes and no generic region for them
+
+
+class GenericSites:
+    """Methods of `Runtime` (adaptive/runtime.py) for sizes that change."""
+
+    def _stable_without_sizes(self, nodes, stable: set[int], threshold: int) -> tuple[set[int], dict]:
+        """Nodes not stable whose shape-free fingerprint has been seen in `threshold` flushes, and
+        per node the signature its shape-free fingerprint had last time, where that differs."""
+        generic = shapes.generic_fps(nodes, self.generic_sigs)
+        for fp in set(generic):
+            self.seen_generic.count(fp)
+        before = {}
+        for i, fp in enumerate(generic):
+            last = self.last_sigs.get(fp)
+            if last is not None and last != nodes[i].sig:
+                before[i] = last
+            self.last_sigs.put(fp, nodes[i].sig)
+        return {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}, before
+
+    def _count_compile(self, site: Site, name: str) -> None:
+        site.compiles += 1
+        site.label = site.label or name
+        self.stats.site_compiles[site.label] += 1
+
+    def _site(self, segment: Segment, region: Region, before: dict) -> Site | None:
+        """The region's site (its key without sizes), made at its first signature: the signature
+        its nodes had at their previous size where they had one (so a region whose sizes changed
+        before it formed generalises at once). None for a region that cannot generalise (its
+        inputs share storage: views the compiler would rebuild with sizes compiled in)."""
+        if region.shared or len(set(alias_signature(region.arguments(segment)))) < len(region.inputs):
+            return None
+        key = shapes.generic_key(region.key)
+        site = self.generic_sites.get(key)
+        if site is None:
+            earlier = {p: before[n] for p, n in enumerate(region.nodes) if n in before}
+            first = key_with(region.key, earlier) if earlier else region.key
+            site = Site(first if shapes.generic_key(first) == key else region.key)
+            self.generic_sites.put(key, site)
+        return site
+
+    def _other_sizes(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes, settling: bool):
+        """A signature at a site that differs from its first in sizes or int arguments: served by
+        the site's generic region if its guards admit it, else generalise (policy permitting)."""
+        if site.generic is not None:
+            arguments = regions.arguments(segment, region, site.changes.ints)
+            if site.generic.admits(arguments):
+                return self._sized(segment, region, site, arguments)
+            self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
+        site.sightings += 1
+        decision = on_other_sizes(segment.settings.mode, settling, site.sightings, site.generalisations, config.generalise_limit)
+        if decision.verdict is Verdict.WAIT:
+            self.stats.warmup_ops += len(region.nodes)
+            return None
+        self.stats.cache_misses += 1
+        if decision.verdict is Verdict.EAGER:
+            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
+            return None
+        self.stats.recompiles += segment.settings.mode is Mode.COMPILED  # another compile at a site compiled before
+        if site.changes is not None:
+            changes = changes.union(site.changes)
+        ints = [shapes.int_value(segment.nodes[region.nodes[path.position]], path) for path in changes.ints]
+        if changes.specialises(region.key, ints):  # a size 0 or 1: no trace to generalise from; wait for another
+            self.stats.fallback("<region>", Why.ZERO_ONE_SIZE.value, len(region.nodes), source=False)
+            return None
+        return self._generalise(segment, region, site, changes)
+
+    def _generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
+        from ..compiler.symbolic import compile_generic  # the compiler layer sits below
+
+        name = f"region{len(self.stats.regions) + 1}"
+        site.generalisations += 1
+        started = time.perf_counter()
+        try:
+            gm = build_graph(segment, region, changes.ints)
+            arguments = regions.arguments(segment, region, changes.ints)
+            dynamic = changes.dynamic(len(region.arguments(segment)))
+            generic = self.in_compiler_thread(compile_generic, gm, arguments, dynamic, DEVICE.spec, name,
+                                              config.specialisation_limit)
+        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        seconds = time.perf_counter() - started
+        DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
+        site.generic, site.changes = generic, changes
+        self._count_compile(site, name)
+        self.stats.specialisations += 1  # the example's size, made by the compile
+        entry = self._sized(segment, region, site, arguments)
+        self.events.publish(events.RegionCompiled(name, self.stats.segments, len(region.nodes), started, seconds,
+                                                  len(entry.compiled.cost) if entry else 0, []))
+        return entry
+
+    def _sized(self, segment: Segment, region: Region, site: Site, arguments: list):
+        """The entry serving this size of the site's generic region: its tile programs made now or
+        kept, its outputs' layouts checked against those the segment recorded."""
+        try:
+            made, new = site.generic.specialise(arguments)
+        except Exception as error:  # this size's tile programs do not lower: it runs eagerly
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        if new:
+            self.stats.specialisations += 1
+            self.stats.specialise_seconds += made.seconds
+        recorded = tuple((tuple(b.shape), b.stride(), b.dtype) for b in
+                         (segment.nodes[n].outs[o] for n, o in region.outputs))
+        if recorded != made.outputs:
+            return self._give_up(region, Reason(Why.GENERIC_LAYOUT, f"{recorded} != {made.outputs}"[:100]))
+        entry = CompiledEntry(Sized(site.generic, made), region, 0.0, site.generic.name,
+                              tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})), site.changes.ints)
+        self.regions.put(region.key, entry)
+        return entry

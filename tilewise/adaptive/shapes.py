@@ -1,0 +1,202 @@
+"""Sizes that change: the shape-free form of nodes and regions, and what changed between two.
+
+Static first, generalise on change (Dynamo's automatic dynamic, `torch/_dynamo/pgo.py`): a node's
+exact signature names its input sizes; its *generic* signature keeps rank, dtype and layout
+pattern but not sizes, nor the ints the schema takes as sizes (SymInt, SymInt[] and Scalar
+arguments: view and expand sizes, arange ends, a mean's divisor). A node whose generic
+fingerprint recurs while its sizes keep changing is as stable as one that repeats exactly.
+
+A region keyed generically is a *site*: the first signature seen there (its exact key), compared
+with a second, tells which input dims and which int arguments change (`changes`). Those become symbolic in
+one shape-generic compile (compiler/symbolic.py); ints that change become region inputs, found
+again in each flush's nodes by their `IntPath`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+_INT = ("int",)  # an int the schema takes as a size or number: its value is not in the generic form
+
+
+def generic_sig(sig: tuple) -> tuple:
+    """A node's `sig` without sizes: (func, descriptions, kwarg names[, kwarg descriptions])."""
+    func = sig[0]
+    sizes = _size_arguments(func)
+    descr = tuple(_generic(d, i < len(sizes) and sizes[i]) for i, d in enumerate(sig[1]))
+    if len(sig) == 3:
+        return (func, descr, sig[2])
+    by_name = dict(zip((a.name for a in func._schema.arguments), sizes))
+    return (func, descr, sig[2], tuple(_generic(d, by_name.get(k, False)) for k, d in zip(sig[2], sig[3])))
+
+
+@functools.lru_cache(maxsize=None)
+def _size_arguments(func) -> tuple[bool, ...]:
+    """Per schema argument: whether an int there may be a SymInt (a SymInt, SymInt[] or Scalar
+    argument: a size or a number). Python's schema objects show SymInt as int; the schema's text
+    keeps it: `aten::view(Tensor(a) self, SymInt[] size) -> Tensor(a)`."""
+    text = str(func._schema)
+    inside = text[text.index("(") + 1:text.rindex(") ->")]
+    types = [part.split(" ", 1)[0] for part in _top_level(inside) if part != "*"]
+    if len(types) != len(func._schema.arguments):  # a schema text we do not read: ints stay exact
+        return (False,) * len(func._schema.arguments)
+    return tuple(t.startswith(("SymInt", "Scalar")) and not t.startswith("ScalarType") for t in types)
+
+
+def _top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets (defaults such as `int[2] stride=[1, 1]`)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([" and 1 or char in ")]" and -1 or 0
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def generic_fps(nodes, sigs) -> list[int]:
+    """Per node, the fingerprint of its generic signature and its producers' (the shape-free `fp`).
+    `sigs` caches generic signatures by exact signature."""
+    fps: list[int] = []
+    for node in nodes:
+        generic = sigs.get(node.sig)
+        if generic is None:
+            generic = generic_sig(node.sig)
+            sigs.put(node.sig, generic)
+        fps.append(hash((generic, tuple(fps[s] for s, _ in node.srcs))))
+    return fps
+
+
+def generic_key(key: tuple) -> tuple:
+    """A region key (regions.describe) without sizes: the key of its site."""
+    key_nodes, alias, outputs, shared = key
+    return (tuple((func, _generic_tail(func, tail), sources) for func, tail, sources in key_nodes),
+            alias, outputs, shared)
+
+
+def _generic_tail(func, tail: tuple) -> tuple:
+    return generic_sig((func,) + tail)[1:]
+
+
+def _generic(entry, sizes: bool):
+    if _is_metadata(entry):  # (shape, stride, offset, dtype[, source])
+        shape, stride = entry[0], entry[1]
+        return ("tensor", len(shape), entry[3], tuple(s == 0 for s in stride), _order(stride),
+                entry[2] == 0) + tuple(entry[4:])
+    if type(entry) is int and sizes:
+        return _INT
+    if type(entry) is tuple:
+        return tuple(_generic(e, sizes) for e in entry)
+    return entry
+
+
+def _is_metadata(entry) -> bool:
+    return type(entry) is tuple and len(entry) >= 4 and isinstance(entry[0], torch.Size) and \
+        isinstance(entry[3], torch.dtype)
+
+
+def _order(stride) -> tuple[int, ...]:
+    """The dims from outermost to innermost in memory: the layout pattern, sizes aside."""
+    return tuple(sorted(range(len(stride)), key=lambda d: -stride[d]))
+
+
+class IntPath(NamedTuple):
+    """Where an int argument that changes sits: region node position, args or kwargs, the index
+    (and indices into nested lists)."""
+    position: int
+    keyword: bool
+    indices: tuple[int, ...]
+
+
+def input_sizes(key: tuple) -> tuple[tuple[int, ...], ...]:
+    """Per region input slot, its shape, read from a region key (regions.describe): each node's
+    tensor descriptions come in the order of its inputs, which its sources follow."""
+    sizes: dict[int, tuple[int, ...]] = {}
+    for _, tail, sources in key[0]:
+        described = list(_tensor_entries(tail[0])) + (list(_tensor_entries(tail[2])) if len(tail) > 2 else [])
+        for entry, source in zip(described, sources):
+            if source[0] == "in":
+                sizes.setdefault(source[1], tuple(entry[0]) if _is_metadata(entry) else tuple(entry[2]))
+    return tuple(sizes[slot] for slot in range(len(sizes)))
+
+
+def _tensor_entries(descr):
+    for entry in descr:
+        if _is_metadata(entry) or type(entry) is tuple and entry[:1] == ("cpu-scalar",):
+            yield entry
+        elif type(entry) is tuple:
+            yield from _tensor_entries(entry)
+
+
+class Changes(NamedTuple):
+    """What differs between two signatures of one site: the dims per input slot, the ints."""
+    dims: tuple[frozenset[int], ...]
+    ints: tuple[IntPath, ...]
+
+    def union(self, other: "Changes") -> "Changes":
+        return Changes(tuple(a | b for a, b in zip(self.dims, other.dims)),
+                       tuple(sorted(set(self.ints) | set(other.ints))))
+
+    def specialises(self, key: tuple, ints: list[int]) -> bool:
+        """Whether a trace at this signature would fix a symbolic size: PyTorch's ShapeEnv
+        specialises sizes 0 and 1 (broadcasting treats them apart), so a generic region traced at
+        batch size 1 would serve batch size 1 only."""
+        sizes = input_sizes(key)
+        return any(sizes[i][d] < 2 for i, dims in enumerate(self.dims) for d in dims) or any(v < 2 for v in ints)
+
+    def dynamic(self, arguments: int):
+        """The compiler's view (symbolic.Dynamic) of a region taking `arguments` arguments and then
+        the ints: the input slots' symbolic dims (lifted floats: none), one symbolic int per path."""
+        from ..compiler.symbolic import Dynamic  # the compiler layer sits below; imported on first use
+        static = frozenset()
+        return Dynamic(self.dims + (static,) * (arguments - len(self.dims)) + (static,) * len(self.ints))
+
+
+def changes(first: tuple, now: tuple) -> Changes:
+    """What differs between two region keys of one site (equal without sizes)."""
+    dims = tuple(frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
+                 for a, b in zip(input_sizes(first), input_sizes(now)))
+    ints: list[IntPath] = []
+    for position, (mine, theirs) in enumerate(zip(first[0], now[0])):
+        tail_a, tail_b = mine[1], theirs[1]
+        _diff_ints(tail_a[0], tail_b[0], position, False, (), ints)
+        if len(tail_a) > 2:
+            _diff_ints(tail_a[2], tail_b[2], position, True, (), ints)
+    return Changes(dims, tuple(ints))
+
+
+def _diff_ints(a, b, position: int, keyword: bool, where: tuple, found: list) -> None:
+    if _is_metadata(a):
+        return
+    if type(a) is tuple:
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff_ints(x, y, position, keyword, where + (i,), found)
+    elif type(a) is int and a != b:
+        found.append(IntPath(position, keyword, where))
+
+
+def int_value(node, path: IntPath) -> int:
+    """The int at `path` among this flush's arguments of the node."""
+    value = list(node.kwargs.values())[path.indices[0]] if path.keyword else node.args[path.indices[0]]
+    for i in path.indices[1:]:
+        value = value[i]
+    return value
+
+
+def with_int(args: tuple, kwargs: dict, path: IntPath, value) -> tuple[tuple, dict]:
+    """The node's (graph) arguments with the int at `path` replaced by `value` (a placeholder)."""
+    if path.keyword:
+        name = list(kwargs)[path.indices[0]]
+        return args, {**kwargs, name: _replaced(kwargs[name], path.indices[1:], value)}
+    return _replaced(args, path.indices, value), kwargs
+
+
+def _replaced(container, indices: tuple, value):
+    if not indices:
+        return value
+    items = list(container)
+    items[indices[0]] = _replaced(items[indices[0]], indices[1:], value)
+    return type(container)(items)

@@ -1,0 +1,208 @@
+"""Shape-generic regions: traced once with symbolic sizes, run for every size their guards admit.
+
+A region whose sizes (or int arguments: view sizes, arange ends, a mean's divisor) change from
+flush to flush is compiled once for all of them, as Dynamo's automatic dynamic does: the sizes
+seen to change become symbols of a ShapeEnv, the int arguments seen to change become SymInt
+inputs, and make_fx traces the decompositions and functionalization once, symbolically (the
+expensive pass). What the trace assumed about the symbols comes back as the ShapeEnv's guards
+(on every size, stride and offset, static ones included); a call whose sizes fail them is a
+cache miss, never an error.
+
+The host runs the symbolic graph itself on the real buffers: its size arithmetic is graph nodes.
+The tile programs, which the cost model charges, have their loop bounds compiled in, so each new
+size gets a *specialisation*: the decomposed graph re-traced with this call's concrete inputs (no
+decomposition runs again: the graph is core ATen already) and taken through the later passes
+(partition, lower, memory plan, schedule, cost). Specialisations are counted apart from compiles
+and kept per region up to a bound (least recently used evicted). The native C tier stays off for
+generic regions, for the same reason: its tile loops have their bounds compiled in.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import sympy
+import torch
+from torch._dynamo.source import LocalSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from ..device.spec import DeviceSpec
+from ..errors import CompileError
+from . import decompose
+from .driver import PASSES, _zeros_like_layout
+from .region import Region, format_graph
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """Which sizes of a region's inputs are symbolic: per input, the dims seen to change (ints
+    among the inputs are always symbolic: they are the int arguments seen to change)."""
+    dims: tuple[frozenset[int], ...]
+
+
+class Specialisation(NamedTuple):
+    """The tile programs of a generic region at one concrete size: what the cost model charges."""
+    launches: tuple
+    cost: tuple            # one entry per launch, as CompiledRegion.cost
+    outputs: tuple         # (shape, stride, dtype) of each output at this size, from the trace
+    seconds: float         # host time it took to make
+
+
+class GenericRegion:
+    """A compiled shape-generic region: guards, the symbolic host graph, per-size tile programs."""
+
+    def __init__(self, name: str, gm: torch.fx.GraphModule, guards, symbols, dynamic: Dynamic, spec: DeviceSpec,
+                 compile_seconds: float, limit: int):
+        self.name, self.gm, self.dynamic, self.spec = name, gm, dynamic, spec
+        self._symbols = symbols  # (input index, dim or None for an int input, sympy Symbol)
+        self.compile_seconds = compile_seconds
+        self._guard_text = guards or "none"
+        # the guard expression compiled once (evaluated at every new signature), or None: any size
+        self._guards = compile(guards, f"<{name} guards>", "eval") if guards else None
+        self._limit = limit
+        self._sizes: collections.OrderedDict = collections.OrderedDict()  # size key -> Specialisation
+        self.specialisations = 0  # made so far (evicted ones included)
+        self.runs = 0  # counted by the adaptive engine's entries (regions.Sized)
+
+    def admits(self, inputs) -> bool:
+        """Whether the ShapeEnv's guards hold for these inputs' sizes, strides, offsets and ints."""
+        if self._guards is None:
+            return True
+        return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(inputs)}}))
+
+    def run(self, *inputs) -> tuple:
+        """The symbolic graph on the real buffers; in-place updates of inputs as the source graph."""
+        return self.gm(*inputs)
+
+    def specialise(self, inputs) -> tuple[Specialisation, bool]:
+        """The tile programs for these inputs' sizes, and whether they were made now."""
+        key = _size_key(inputs)
+        found = self._sizes.get(key)
+        if found is not None:
+            self._sizes.move_to_end(key)
+            return found, False
+        started = time.perf_counter()
+        values = {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+        # never run, only lowered: its Python code need not be generated (lazy recompile)
+        with _use_lazy_graph_module(True):
+            traced = concrete(self.gm, values)
+            region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
+            for _, pass_fn in SPECIALISE_PASSES:
+                region = pass_fn(region)
+        made = Specialisation(region.launches, region.cost, _output_layouts(traced), time.perf_counter() - started)
+        self._sizes[key] = made
+        self.specialisations += 1
+        if len(self._sizes) > self._limit:
+            self._sizes.popitem(last=False)
+        return made, True
+
+    def describe(self, made: Specialisation) -> str:
+        """The symbolic graph, its guards, and one size's launches with their cost (`explain`)."""
+        lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
+                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self._guard_text}"]
+        lines += format_graph(self.gm.graph)
+        lines += ["", "# at this size:"] + ["  " + str(launch) for launch in made.launches]
+        lines += [f"  # cost of launch {c.name}: {c.engine} {c.seconds * 1e6:.2f} us, {c.hbm_bytes} HBM bytes"
+                  for c in made.cost]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"GenericRegion({self.name!r}, sizes kept={len(self._sizes)}, made={self.specialisations})"
+
+
+# The driver's pipeline less decompose (done once, symbolically) and emit (no native tier).
+SPECIALISE_PASSES = tuple((name, fn) for name, fn in PASSES if name not in ("decompose", "emit"))
+
+
+def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, spec: DeviceSpec, name: str,
+                    limit: int) -> GenericRegion:
+    """Trace `gm` once with the sizes `dynamic` names (and every int input) symbolic; check it runs
+    on the example's layout and lowers at the example's size."""
+    if len(dynamic.dims) != len(example_inputs):
+        raise CompileError(f"{name}: {len(dynamic.dims)} dynamic-dim sets for {len(example_inputs)} inputs")
+    started = time.perf_counter()
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    fakes = [_symbolic(value, dims, i, fake_mode, shape_env)
+             for i, (value, dims) in enumerate(zip(example_inputs, dynamic.dims))]
+    traced = decompose.trace(gm, fakes, "symbolic", name)
+    guards = shape_env.produce_guards_expression(fakes, ignore_static=False)
+    symbols = [(i, dim, size.node.expr) for i, fake in enumerate(fakes)
+               for dim, size in (enumerate(fake.shape) if isinstance(fake, torch.Tensor) else [(None, fake)])
+               if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol)]
+    generic = GenericRegion(name, traced, guards, symbols, dynamic, spec, 0.0, limit)
+    if not generic.admits(example_inputs):
+        raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
+    _smoke_run(generic, example_inputs)
+    generic.specialise(example_inputs)
+    generic.compile_seconds = time.perf_counter() - started
+    return generic
+
+
+def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
+    """The symbolic graph at one size, without tracing again: every size computation (sym_size,
+    int arithmetic, an int input) becomes its value in its users' arguments, every tensor's
+    recorded metadata a meta tensor of the concrete size. The later passes read only these; the
+    result is lowered and costed, never run (the host runs the symbolic graph)."""
+    graph = torch.fx.Graph()
+    ints: dict[torch.fx.Node, int] = {}
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt):
+            ints[node] = _evaluate(value, values)
+            continue
+        new = graph.node_copy(node, lambda n: ints[n] if n in ints else env[n])
+        if isinstance(value, torch.Tensor):
+            new.meta["val"] = torch.empty_strided([_evaluate(v, values) for v in value.shape],
+                                                  [_evaluate(v, values) for v in value.stride()],
+                                                  dtype=value.dtype, device="meta")
+        elif isinstance(value, (list, tuple)):
+            new.meta["val"] = type(value)(
+                torch.empty_strided([_evaluate(v, values) for v in v_.shape], [_evaluate(v, values) for v in v_.stride()],
+                                    dtype=v_.dtype, device="meta") if isinstance(v_, torch.Tensor) else v_
+                for v_ in value)
+        env[node] = new
+    return _make_graph_module(gm, graph)
+
+
+def _evaluate(size, values: dict) -> int:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    return int(size.node.expr.xreplace(values))
+
+
+def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode, shape_env: ShapeEnv):
+    source = LocalSource(f"t{index}")
+    if isinstance(value, torch.Tensor):
+        sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
+        return fake_mode.from_tensor(value, source=source,
+                                     symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+    if type(value) is int:
+        symbol = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
+        return shape_env.create_symintnode(symbol, hint=value, source=source)
+    return value
+
+
+def _smoke_run(generic: GenericRegion, example_inputs) -> None:
+    """Run the symbolic graph once on zeros of the example's layout (as driver._smoke_run does for
+    static regions): a failure is a compile failure now, not an error at a later call."""
+    try:
+        generic.run(*[_zeros_like_layout(v) if isinstance(v, torch.Tensor) else v for v in example_inputs])
+    except Exception as error:
+        raise CompileError(f"the generic region fails on its example inputs: {type(error).__name__}: {error}") from error
+
+
+def _output_layouts(gm: torch.fx.GraphModule) -> tuple:
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else None
+                 for v in (o.meta.get("val") if isinstance(o, torch.fx.Node) else None for o in outputs))
+
+
+def _size_key(inputs) -> tuple:
+    return tuple((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) if isinstance(v, torch.Tensor) else v
+                 for v in inputs)
