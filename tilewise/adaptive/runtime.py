@@ -31,7 +31,7 @@ from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_
                       needed_values)
 from .policy import (Mode, Reason, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
-from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
+from .segment import VIEW, OtherCore, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
 
 aten = torch.ops.aten
@@ -39,6 +39,14 @@ _FAILED = "failed"
 ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+class OpInfo(NamedTuple):
+    """What dispatch needs to know of an op, read once."""
+    func: object
+    runs_now: Reason | None   # why it must run eagerly, whatever was recorded before it
+    random: bool              # draws random numbers
+    lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
 
 
 class Runtime:
@@ -80,7 +88,7 @@ class Runtime:
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
         self.skeletons = BoundedCache(signatures)
-        self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
+        self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
@@ -101,27 +109,28 @@ class Runtime:
         return run(func, args, kwargs)
 
     def dispatch(self, func, args, kwargs):
-        lift = scalars.SCALAR_LISTS.get(func)
-        if lift is not None:
-            func, args = scalars.lift_scalar_list(func, lift, args)
+        info = self._info(func)
+        if info.lift is not None:
+            func, args = scalars.lift_scalar_list(func, info.lift, args)
+            info = self._info(func)
         with self.lock:
             self.stats.ops_seen += 1
-            info = self._op_info.get(func)
-            if info is None:
-                info = self._op_info[func] = (runs_now(func), is_random(func))
-            reason = info[0] or copies_to_host(kwargs) or self._enter_core(args, kwargs)
-            if reason is None and info[1] and draws_random(func, args):
+            reason = info.runs_now
+            if reason is None and (kwargs or info.random):
+                # else the segment checks its inputs' cores as it records them: one walk, not two
+                reason = copies_to_host(kwargs) or self._enter_core(args, kwargs)
+            if reason is None and info.random and draws_random(func, args):
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
-                    result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+                    result = self._record(func, args, kwargs)
                 except Unrecordable as why:
                     reason = why.reason
                 else:
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
                     DEVICE.lazy_pending = True
-                    if len(self.segment) >= self.max_segment_ops:
+                    if len(self.segment.nodes) >= self.max_segment_ops:
                         self.flush("segment size bound")
                     return result
             self.flush(str(reason))
@@ -136,6 +145,25 @@ class Runtime:
             finally:
                 DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
                                      reason=str(reason))
+
+    def _info(self, func) -> OpInfo:
+        # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
+        info = self._op_info.get(id(func))
+        if info is None or info.func is not func:
+            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func),
+                                                    scalars.SCALAR_LISTS.get(func))
+        return info
+
+    def _record(self, func, args, kwargs):
+        """Record the op in the segment; an input on another core than the segment's first moves
+        the segment there (flushing it) or makes the op eager, as _enter_core decides."""
+        try:
+            return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+        except OtherCore:
+            reason = self._enter_core(args, kwargs)
+            if reason is not None:
+                raise Unrecordable(reason) from None
+            return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts

@@ -34,6 +34,14 @@ class Unrecordable(TilewiseError):
         self.reason = reason
 
 
+class OtherCore(Unrecordable):
+    """An input lives on another NeuronCore than the segment's ops: the runtime moves the segment
+    or runs the op eagerly (runtime._enter_core), and records it again if it may."""
+
+    def __init__(self):
+        super().__init__(Reason(Why.BETWEEN_CORES))
+
+
 class _Holder:
     """Lives exactly as long as some device tensor holds a recorded buffer: it travels with the
     tensor's `_data` (through `.data =` and `swap_tensors`, which swaps attributes too), and the
@@ -142,6 +150,8 @@ class Segment:
         host = []
         for arg in seq:
             if type(arg) is NeuronTensor or isinstance(arg, NeuronTensor):
+                if arg._core != self.core:
+                    raise OtherCore()
                 data = arg._data
                 node.inputs.append(data)
                 key = id(data)

@@ -62,12 +62,15 @@ class HBM:
         the peak and the capacity, counting a dead storage a little longer changes no answer."""
         storage = tensor.untyped_storage()
         key = storage._cdata
-        ref = self._live.get(key)
+        live = self._live
+        ref = live.get(key)
         if ref is not None and ref() is storage:
             return
         nbytes = storage.nbytes()
-        with self._lock:
-            ref = self._live.get(key)
+        lock = self._lock
+        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
+        try:
+            ref = live.get(key)
             if ref is not None:
                 if ref() is storage:  # another thread (autograd's) counted it meanwhile
                     return
@@ -81,10 +84,13 @@ class HBM:
                 if in_use > self.peak:
                     self.peak = in_use
             ref = _StorageRef(storage, self._on_free)
-            ref.key, ref.nbytes = key, nbytes
-            self._live[key] = ref
+            ref.key = key
+            ref.nbytes = nbytes
+            live[key] = ref
             self._in_use = in_use
             self.allocations += 1
+        finally:
+            lock.release()
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` (a host storage) is counted, i.e. is the buffer of a device tensor."""

@@ -14,7 +14,7 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from . import composite
-from .plan import OpPlan, plan_of
+from .plan import PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
 _Tensor = torch.Tensor
@@ -73,7 +73,9 @@ def run(func, args, kwargs):
     keyword arguments, on one core, computing one fresh tensor; one pass over the arguments, no
     helper objects. Anything else, found at any point before the op runs, takes `_run` from the
     start, which handles every case."""
-    plan = plan_of(func)
+    plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
+    if plan is None or plan.func is not func:
+        plan = plan_of(func)
     if kwargs or not plan.simple:  # (the _MATERIALIZED factories take a list: _run)
         return _run(func, args, kwargs)
     host = []
@@ -354,29 +356,25 @@ def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) 
     counters.kernels += 1
 
 
-class _KernelSeconds:
+_rates: dict = {}  # (engine, dtype) -> compute rate under _rates_spec
+_rates_spec = None
+
+
+def _kernel_seconds(engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
     """device.cost.kernel_seconds with each (engine, dtype)'s compute rate read once per spec:
     the same arithmetic, so the same simulated time, for one kernel charged per eager op."""
-
-    def __init__(self):
-        self.spec = None
-        self.rates: dict = {}
-
-    def __call__(self, engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
-        spec = DEVICE.spec
-        if spec is not self.spec:  # a preset switched (DEVICE.use_spec) since the last kernel
-            self.spec, self.rates = spec, {}
-        key = (engine, dtype)
-        if key in self.rates:
-            rate = self.rates[key]
-        else:
-            rate = self.rates[key] = compute_rate(spec, engine, dtype)
-        compute = work / rate if rate is not None else 0.0
-        dma = hbm_bytes / spec.hbm_bandwidth
-        return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
-
-
-_kernel_seconds = _KernelSeconds()
+    global _rates_spec
+    spec = DEVICE.spec
+    if spec is not _rates_spec:  # a preset switched (DEVICE.use_spec) since the last kernel
+        _rates_spec = spec
+        _rates.clear()
+    key = (engine, dtype)
+    rate = _rates.get(key, _rates)
+    if rate is _rates:
+        rate = _rates[key] = compute_rate(spec, engine, dtype)
+    compute = work / rate if rate is not None else 0.0
+    dma = hbm_bytes / spec.hbm_bandwidth
+    return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
 
 
 def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:

@@ -45,13 +45,13 @@ class OpPlan(NamedTuple):
 
 # Keyed by id(func): an OpOverload hashes in Python, and this runs for every op. A plan holds its
 # op, so the id stays its own while the entry lives (checked on each hit all the same).
-_plans: dict[int, OpPlan] = {}
+PLANS: dict[int, OpPlan] = {}
 
 
 def plan_of(func) -> OpPlan:
-    plan = _plans.get(id(func))
+    plan = PLANS.get(id(func))
     if plan is None or plan.func is not func:
-        plan = _plans[id(func)] = _make_plan(func)
+        plan = PLANS[id(func)] = _make_plan(func)
     return plan
 
 
