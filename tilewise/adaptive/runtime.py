@@ -77,7 +77,7 @@ class Runtime:
         def regions():
             return config.region_cache_size
 
-        self.meta_cache = BoundedCache(signatures)   # node.local -> output metadata (or why none)
+        self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
         self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
         self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
         self.plans = BoundedCache(regions)
@@ -109,11 +109,12 @@ class Runtime:
         return run(func, args, kwargs)
 
     def dispatch(self, func, args, kwargs):
-        info = self._info(func)
-        if info.lift is not None:
-            func, args = scalars.lift_scalar_list(func, info.lift, args)
-            info = self._info(func)
-        with self.lock:
+        info = self._op_info.get(id(func))  # _info, inline: this runs for every op
+        if info is None or info.func is not func or info.lift is not None:
+            func, args, info = self._lifted(func, args)
+        lock = self.lock
+        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
+        try:
             self.stats.ops_seen += 1
             reason = info.runs_now
             if reason is None and (kwargs or info.random):
@@ -123,28 +124,31 @@ class Runtime:
                 return self._random(func, args, kwargs)
             if reason is None:
                 try:
-                    result = self._record(func, args, kwargs)
+                    try:
+                        result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+                    except OtherCore:
+                        result = self._record_on_its_core(func, args, kwargs)
                 except Unrecordable as why:
                     reason = why.reason
                 else:
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
-                    DEVICE.lazy_pending = True
+                        DEVICE.lazy_pending = True
                     if len(self.segment.nodes) >= self.max_segment_ops:
                         self.flush("segment size bound")
                     return result
-            self.flush(str(reason))
-            if reason.why.is_transfer:
-                self.stats.transfers += 1
-            else:
-                self.stats.ops_eager += 1
-                self.stats.fallback(plan_of(func).name, str(reason))
-            started = time.perf_counter()
-            try:
-                return execute(func, args, kwargs)
-            finally:
-                DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
-                                     reason=str(reason))
+            return self._eagerly(func, args, kwargs, reason)
+        finally:
+            lock.release()
+
+    def _lifted(self, func, args) -> tuple:
+        """The op, its arguments and its OpInfo, with a list of floats lifted to CPU tensors where
+        scalars.SCALAR_LISTS says so."""
+        info = self._info(func)
+        if info.lift is not None:
+            func, args = scalars.lift_scalar_list(func, info.lift, args)
+            info = self._info(func)
+        return func, args, info
 
     def _info(self, func) -> OpInfo:
         # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
@@ -154,16 +158,28 @@ class Runtime:
                                                     scalars.SCALAR_LISTS.get(func))
         return info
 
-    def _record(self, func, args, kwargs):
-        """Record the op in the segment; an input on another core than the segment's first moves
-        the segment there (flushing it) or makes the op eager, as _enter_core decides."""
+    def _record_on_its_core(self, func, args, kwargs):
+        """An input is on another core than the segment's: move the segment there (flushing it)
+        and record the op, or make it eager, as _enter_core decides."""
+        reason = self._enter_core(args, kwargs)
+        if reason is not None:
+            raise Unrecordable(reason)
+        return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+
+    def _eagerly(self, func, args, kwargs, reason: Reason):
+        """Run an op the segment cannot take now, after flushing what was recorded before it."""
+        self.flush(str(reason))
+        if reason.why.is_transfer:
+            self.stats.transfers += 1
+        else:
+            self.stats.ops_eager += 1
+            self.stats.fallback(plan_of(func).name, str(reason))
+        started = time.perf_counter()
         try:
-            return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
-        except OtherCore:
-            reason = self._enter_core(args, kwargs)
-            if reason is not None:
-                raise Unrecordable(reason) from None
-            return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+            return execute(func, args, kwargs)
+        finally:
+            DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
+                                 reason=str(reason))
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts
