@@ -394,6 +394,13 @@ def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
     return 0, 0, None
 
 
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """NeuronTensor.__torch_dispatch__: execute(), without a frame of its own."""
+    if DEVICE.lazy_pending:
+        DEVICE.synchronize()
+    return run(func, args, kwargs or {})
+
+
 def install() -> None:
-    NeuronTensor._execute = staticmethod(execute)
+    NeuronTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
     composite.install()
