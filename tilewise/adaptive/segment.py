@@ -138,7 +138,7 @@ class Segment:
             _generalise_floats(node, (len(self.nodes), tuple(node.ext), float_free), scalar_sites)
         # hashed once: the fingerprint and the output metadata's cache both start from it
         sig_hash = hash(node.sig)
-        node.fp = hash((sig_hash, tuple(producer_fps)))
+        node.fp = hash((sig_hash, *producer_fps))
         result = self._outputs(node, plan, args, kwargs, meta_cache, float_free, sig_hash)
         index = len(self.nodes)
         self.nodes.append(node)
