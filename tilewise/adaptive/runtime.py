@@ -32,7 +32,7 @@ from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
                      runs_now, stable_after)
 from .generic import GenericSites
-from .segment import VIEW, Segment, Unrecordable, fill_failed, without_floats
+from .segment import VIEW, OtherCore, Segment, Unrecordable, fill_failed, without_floats
 from .stats import Stats
 
 aten = torch.ops.aten
@@ -41,6 +41,14 @@ ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+class OpInfo(NamedTuple):
+    """What dispatch needs to know of an op, read once."""
+    func: object
+    runs_now: Reason | None   # why it must run eagerly, whatever was recorded before it
+    random: bool              # draws random numbers
+    lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
 
 
 class Runtime(GenericSites):
@@ -68,7 +76,7 @@ class Runtime(GenericSites):
         def regions():
             return config.region_cache_size
 
-        self.meta_cache = BoundedCache(signatures)   # node.local -> output metadata (or why none)
+        self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
         self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
         self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
         self.plans = BoundedCache(regions)
@@ -83,7 +91,7 @@ class Runtime(GenericSites):
         self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
         self.last_sigs = BoundedCache(signatures)     # shape-free fingerprint -> the node.sig it had last
         self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
-        self._op_info: dict = {}  # func -> (reason it must run eagerly or None, draws random numbers)
+        self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
@@ -104,51 +112,82 @@ class Runtime(GenericSites):
         return run(func, args, kwargs)
 
     def dispatch(self, func, args, kwargs, settings: Settings):
-        lift = scalars.SCALAR_LISTS.get(func)
-        if lift is not None:
-            func, args = scalars.lift_scalar_list(func, lift, args)
-        with self.lock:
+        info = self._op_info.get(id(func))  # _info, inline: this runs for every op
+        if info is None or info.func is not func or info.lift is not None:
+            func, args, info = self._lifted(func, args)
+        lock = self.lock
+        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
+        try:
             self.stats.ops_seen += 1
-            info = self._op_info.get(func)
-            if info is None:
-                info = self._op_info[func] = (runs_now(func), is_random(func))
-            reason = info[0] or copies_to_host(kwargs) or self._enter_core(args, kwargs)
-            if reason is None and settings is not self.segment.settings:
-                self._enter_settings(settings)
-            if reason is None and info[1] and draws_random(func, args):
+            if settings is not self.segment.settings and self.segment.nodes:
+                self.flush(SETTINGS_CHANGE)  # a segment is planned with one engine block's settings
+            reason = info.runs_now
+            if reason is None and (kwargs or info.random):
+                # else the segment checks its inputs' cores as it records them: one walk, not two
+                reason = copies_to_host(kwargs) or self._enter_core(args, kwargs)
+            if reason is None and info.random and draws_random(func, args):
                 return self._random(func, args, kwargs, settings)
             if reason is None:
                 try:
-                    result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+                    try:
+                        result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+                    except OtherCore:
+                        result = self._record_on_its_core(func, args, kwargs)
                 except Unrecordable as why:
                     reason = why.reason
                 else:
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
-                    DEVICE.lazy_pending = True
-                    if len(self.segment) >= settings.max_segment_ops:
+                        DEVICE.lazy_pending = True
+                    segment = self.segment
+                    if segment.settings is None:  # its first op (or the first after a flush under way)
+                        segment.settings = settings
+                    if len(segment.nodes) >= settings.max_segment_ops:
                         self.flush("segment size bound")
                     return result
-            self.flush(str(reason))
-            if reason.why.is_transfer:
-                self.stats.transfers += 1
-            else:
-                self.stats.ops_eager += 1
-                self.stats.fallback(plan_of(func).name, str(reason))
-            started = time.perf_counter()
-            try:
-                return execute(func, args, kwargs)
-            finally:
-                DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
-                                     reason=str(reason))
+            return self._eagerly(func, args, kwargs, reason)
+        finally:
+            lock.release()
 
-    def _enter_settings(self, settings: Settings) -> None:
-        """Keep a segment under one engine block's settings: an op recorded under others (another
-        thread's block, or a nested one) flushes what is recorded first."""
-        core = self.segment.core  # the op's (_enter_core has run)
-        self.flush(SETTINGS_CHANGE)
-        if not self.segment.nodes:  # (not flushed while a flush is under way: it keeps its settings)
-            self.segment.core, self.segment.settings = core, settings
+    def _lifted(self, func, args) -> tuple:
+        """The op, its arguments and its OpInfo, with a list of floats lifted to CPU tensors where
+        scalars.SCALAR_LISTS says so."""
+        info = self._info(func)
+        if info.lift is not None:
+            func, args = scalars.lift_scalar_list(func, info.lift, args)
+            info = self._info(func)
+        return func, args, info
+
+    def _info(self, func) -> OpInfo:
+        # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
+        info = self._op_info.get(id(func))
+        if info is None or info.func is not func:
+            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func),
+                                                    scalars.SCALAR_LISTS.get(func))
+        return info
+
+    def _record_on_its_core(self, func, args, kwargs):
+        """An input is on another core than the segment's: move the segment there (flushing it)
+        and record the op, or make it eager, as _enter_core decides."""
+        reason = self._enter_core(args, kwargs)
+        if reason is not None:
+            raise Unrecordable(reason)
+        return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+
+    def _eagerly(self, func, args, kwargs, reason: Reason):
+        """Run an op the segment cannot take now, after flushing what was recorded before it."""
+        self.flush(str(reason))
+        if reason.why.is_transfer:
+            self.stats.transfers += 1
+        else:
+            self.stats.ops_eager += 1
+            self.stats.fallback(plan_of(func).name, str(reason))
+        started = time.perf_counter()
+        try:
+            return execute(func, args, kwargs)
+        finally:
+            DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
+                                 reason=str(reason))
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts

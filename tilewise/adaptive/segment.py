@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh
-from ..eager.plan import OpPlan, plan_of
+from ..eager.plan import PLANS, OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
 from .policy import Reason, Why
@@ -32,6 +32,14 @@ class Unrecordable(TilewiseError):
     def __init__(self, reason: Reason):
         super().__init__(str(reason))
         self.reason = reason
+
+
+class OtherCore(Unrecordable):
+    """An input lives on another NeuronCore than the segment's ops: the runtime moves the segment
+    or runs the op eagerly (runtime._enter_core), and records it again if it may."""
+
+    def __init__(self):
+        super().__init__(Reason(Why.BETWEEN_CORES))
 
 
 class _Holder:
@@ -96,7 +104,9 @@ class Segment:
             raise
 
     def _record(self, func, args, kwargs, meta_cache, scalar_sites):
-        plan = plan_of(func)
+        plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
+        if plan is None or plan.func is not func:
+            plan = plan_of(func)
         node = Node()
         node.func, node.plan, node.core = func, plan, self.core
         node.srcs = []   # (segment node index, output index) of in-segment inputs
@@ -109,13 +119,16 @@ class Segment:
         producer_fps: list[int] = []
         descr: list = []
         node.args = self._host(args, descr, node, producer_fps)
-        kw_descr: list = []
-        node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps))) \
-            if kwargs else {}
-        if kwargs and names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
-            node.kwargs["device"] = torch.device("cpu")
-        node.local = (func, tuple(descr), tuple(kwargs)) if not kw_descr else \
-            (func, tuple(descr), tuple(kwargs), tuple(kw_descr))
+        if kwargs:
+            kw_descr: list = []
+            node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps)))
+            if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
+                node.kwargs["device"] = torch.device("cpu")
+            node.local = (func, tuple(descr), tuple(kwargs), tuple(kw_descr)) if kw_descr else \
+                (func, tuple(descr), tuple(kwargs))
+        else:
+            node.kwargs = {}
+            node.local = (func, tuple(descr), ())
         # `sig`: what must match for a region to serve this node again: `local`, or without its
         # floats once they have changed and become region inputs (`lifts`, adaptive/scalars.py)
         node.sig, node.lifts = node.local, None
@@ -124,8 +137,10 @@ class Segment:
             # the site: this op at this place of the segment, on these external inputs (two calls
             # alike but for their floats, such as AdamW's two _foreach_mul_, are two sites)
             _generalise_floats(node, (len(self.nodes), tuple(node.ext), float_free), scalar_sites)
-        node.fp = hash((node.sig, tuple(producer_fps)))
-        result = self._outputs(node, plan, args, kwargs, meta_cache, float_free)
+        # hashed once: the fingerprint and the output metadata's cache both start from it
+        sig_hash = hash(node.sig)
+        node.fp = hash((sig_hash, *producer_fps))
+        result = self._outputs(node, plan, args, kwargs, meta_cache, float_free, sig_hash)
         index = len(self.nodes)
         self.nodes.append(node)
         if plan.mutates:
@@ -143,6 +158,8 @@ class Segment:
         host = []
         for arg in seq:
             if type(arg) is NeuronTensor or isinstance(arg, NeuronTensor):
+                if arg._core != self.core:
+                    raise OtherCore()
                 data = arg._data
                 node.inputs.append(data)
                 key = id(data)
@@ -186,7 +203,7 @@ class Segment:
         return arg
 
     # -- outputs -------------------------------------------------------------------------------
-    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache, float_free):
+    def _outputs(self, node: Node, plan: OpPlan, args, kwargs, meta_cache, float_free, sig_hash: int):
         node.wrappers = None
         node.roots = None
         if plan.metadata_mutating:  # squeeze_, t_, resize_...: the wrapper must change shape now
@@ -214,10 +231,15 @@ class Segment:
         # where floats are sizes: one entry serves every value, so a changing float (a schedule, a
         # step counter) makes no new signature each step. `regions.replay` holds the real result to it.
         signature = float_free if float_free is not None and not _sizes_from_floats(node) else node.local
-        metas = meta_cache.get(signature)
-        if metas is None:
+        # keyed by the signature's hash, the signature kept with its metadata: a tuple hashes
+        # anew at every lookup, and this one was hashed already
+        key = sig_hash if signature is node.sig else hash(signature)
+        entry = meta_cache.get(key)
+        if entry is not None and entry[0] == signature:
+            metas = entry[1]
+        else:
             metas = _host_outputs(node)
-            meta_cache.put(signature, metas)
+            meta_cache.put(key, (signature, metas))
         if type(metas) is Reason:
             raise Unrecordable(metas)
         returns_tuple, outputs, node.out_meta = metas

@@ -4,7 +4,8 @@ A storage is counted once, however many tensors view it, and released when PyTor
 weak reference on the storage object, which PyTorch keeps alive exactly as long as the storage).
 Every op makes and frees storages, so the weak reference's callback only queues the dead reference
 (a C-level list append: no Python frame, no lock); the queue is settled before anything reads or
-checks the bytes in use.
+checks the bytes in use, and by an allocation whenever the count could decide something (a new
+peak, an allocation past capacity).
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import torch
 from ..errors import NeuronOutOfMemoryError
 
 
+# Dead storages left counted at most: settling them in batches keeps the hot path short.
+_SETTLE_BATCH = 64
+
+
 class _StorageRef(weakref.ref):
     """Weak reference to a counted storage that remembers what to give back when it dies."""
     __slots__ = ("key", "nbytes")
@@ -25,8 +30,9 @@ class HBM:
     def __init__(self, capacity: int, spec_name: str):
         self.capacity = capacity
         self.spec_name = spec_name
-        # RLock: a weakref callback may run (garbage collection) while this thread holds the lock.
-        self._lock = threading.RLock()
+        # A plain lock: nothing taken under it takes it again, the weak references' callback included
+        # (garbage collection may run it while this thread holds the lock; it only appends).
+        self._lock = threading.Lock()
         self._live: dict[int, _StorageRef] = {}
         self._freed: list[_StorageRef] = []  # references whose storage died, not yet uncounted
         self._on_free = self._freed.append  # the weak references' callback
@@ -49,28 +55,42 @@ class HBM:
                 raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
 
     def track(self, tensor: torch.Tensor) -> None:
-        """Count the storage behind `tensor` if it is new; raise OOM (counting nothing) if it won't fit."""
+        """Count the storage behind `tensor` if it is new; raise OOM (counting nothing) if it won't fit.
+
+        Hot path (every op's output). The storages that died are settled only when the count
+        could matter: a new peak, an allocation past capacity, or a batch of them waiting; below
+        the peak and the capacity, counting a dead storage a little longer changes no answer."""
         storage = tensor.untyped_storage()
         key = storage._cdata
-        ref = self._live.get(key)
+        live = self._live
+        ref = live.get(key)
         if ref is not None and ref() is storage:
             return
         nbytes = storage.nbytes()
-        with self._lock:
-            if self._freed:
-                self._settle()  # also drops a dead storage's entry at the same address
-            if key in self._live:  # another thread (autograd's) counted it meanwhile
-                return
+        lock = self._lock
+        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
+        try:
+            ref = live.get(key)
+            if ref is not None:
+                if ref() is storage:  # another thread (autograd's) counted it meanwhile
+                    return
+                self._uncount(ref)  # a dead storage at the address this one reuses
             in_use = self._in_use + nbytes
-            if in_use > self.capacity:
-                raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
+            if in_use > self.peak or in_use > self.capacity or len(self._freed) > _SETTLE_BATCH:
+                self._settle()
+                in_use = self._in_use + nbytes
+                if in_use > self.capacity:
+                    raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
+                if in_use > self.peak:
+                    self.peak = in_use
             ref = _StorageRef(storage, self._on_free)
-            ref.key, ref.nbytes = key, nbytes
-            self._live[key] = ref
+            ref.key = key
+            ref.nbytes = nbytes
+            live[key] = ref
             self._in_use = in_use
             self.allocations += 1
-            if in_use > self.peak:
-                self.peak = in_use
+        finally:
+            lock.release()
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` (a host storage) is counted, i.e. is the buffer of a device tensor."""
@@ -83,9 +103,12 @@ class HBM:
         while freed:
             ref = freed.pop()
             if self._live.get(ref.key) is ref:  # not a newer storage that reused the address
-                del self._live[ref.key]
-                self._in_use -= ref.nbytes
-                self.frees += 1
+                self._uncount(ref)
+
+    def _uncount(self, ref: _StorageRef) -> None:
+        del self._live[ref.key]
+        self._in_use -= ref.nbytes
+        self.frees += 1
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -7,8 +7,6 @@ layer above installs (eager by default); the device layer itself runs nothing.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..errors import DeviceError
@@ -29,12 +27,11 @@ class NeuronTensor(torch.Tensor):
     _data: torch.Tensor
     _core = 0  # the index of its NeuronCore; set on the tensor only where it is not neuron:0
 
-    # Set by tilewise.eager at import: (func, args, kwargs) -> result.
-    _execute: Callable = None
-
+    # Every aten op on a neuron tensor: tilewise.eager replaces this at import with its executor's
+    # entry, called straight from PyTorch's dispatcher (no extra frame on every op).
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return cls._execute(func, args, kwargs or {})
+        raise DeviceError(f"no executor installed for neuron tensors (import tilewise.eager); cannot run {func}")
 
     # Dynamo traces a traceable wrapper subclass as itself, with `_data` as its inner tensor.
     def __tensor_flatten__(self):

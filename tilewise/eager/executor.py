@@ -14,7 +14,7 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from . import composite
-from .plan import OpPlan, plan_of
+from .plan import PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
 _Tensor = torch.Tensor
@@ -67,7 +67,61 @@ _MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zer
 
 
 def run(func, args, kwargs):
-    """Run one aten op now, without flushing pending lazy work (the caller knows it is safe)."""
+    """Run one aten op now, without flushing pending lazy work (the caller knows it is safe).
+
+    The fast path: a plain op (OpPlan.simple) on device tensors and Python scalars only, without
+    keyword arguments, on one core, computing one fresh tensor; one pass over the arguments, no
+    helper objects. Anything else, found at any point before the op runs, takes `_run` from the
+    start, which handles every case."""
+    plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
+    if plan is None or plan.func is not func:
+        plan = plan_of(func)
+    if kwargs or not plan.simple:  # (the _MATERIALIZED factories take a list: _run)
+        return _run(func, args, kwargs)
+    host = []
+    core = None
+    read = numel = 0
+    for arg in args:
+        if type(arg) is NeuronTensor:
+            data = arg._data
+            host.append(data)
+            read += data.nbytes
+            n = data.numel()
+            if n > numel:
+                numel = n
+            if arg._core != core:
+                if core is not None:
+                    return _run(func, args, kwargs)  # two cores: _run's transfer or error
+                core = arg._core
+        elif isinstance(arg, _Tensor) or type(arg) is list or type(arg) is tuple:
+            return _run(func, args, kwargs)
+        else:
+            host.append(arg)
+    out = plan.call(*host)
+    counters.ops += 1
+    if core is None:
+        core = DEVICE.current_index()
+    if type(out) is not _Tensor or plan.view:
+        traffic = _Traffic()
+        traffic.bytes, traffic.numel, traffic.core = read, numel, core
+        return _finish(plan, host, kwargs, out, traffic, core)
+    result = wrap(out, core)
+    if plan.kernel:
+        written = out.nbytes
+        if plan.flops is not None:
+            flops = work = int(plan.flops(*host, out_val=out))
+        else:
+            flops, work = 0, max(out.numel(), numel)
+        hbm_bytes = read + written
+        DEVICE.cores[core].timeline.record(plan.name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, out.dtype),
+                                           hbm_bytes, flops)
+        counters.kernels += 1
+    return result
+
+
+def _run(func, args, kwargs):
+    """run() for every op and argument: kwargs (`device=` among them), lists, host tensors,
+    transfers, mutating and composite ops, tuples and non-tensors returned."""
     func = _MATERIALIZED.get(func, func)
     plan = plan_of(func)
     if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
@@ -91,10 +145,16 @@ def run(func, args, kwargs):
         _follow_host_metadata(plan, result)
     elif to_host:
         result = out
-    elif type(out) is _Tensor:  # the common case, without _wrap_outputs' tests
-        result = wrap(out, core)
     else:
-        result = _wrap_outputs(out, core)
+        return _finish(plan, host_args, kwargs, out, traffic, core)
+    if plan.kernel:
+        _charge(plan, host_args, kwargs, out, traffic, core)
+    return result
+
+
+def _finish(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int):
+    """Wrap what a non-mutating op computed on the host as device tensors, and charge its kernel."""
+    result = wrap(out, core) if type(out) is _Tensor else _wrap_outputs(out, core)
     if plan.kernel:
         _charge(plan, host_args, kwargs, out, traffic, core)
     return result
@@ -296,29 +356,25 @@ def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) 
     counters.kernels += 1
 
 
-class _KernelSeconds:
+_rates: dict = {}  # (engine, dtype) -> compute rate under _rates_spec
+_rates_spec = None
+
+
+def _kernel_seconds(engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
     """device.cost.kernel_seconds with each (engine, dtype)'s compute rate read once per spec:
     the same arithmetic, so the same simulated time, for one kernel charged per eager op."""
-
-    def __init__(self):
-        self.spec = None
-        self.rates: dict = {}
-
-    def __call__(self, engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
-        spec = DEVICE.spec
-        if spec is not self.spec:  # a preset switched (DEVICE.use_spec) since the last kernel
-            self.spec, self.rates = spec, {}
-        key = (engine, dtype)
-        if key in self.rates:
-            rate = self.rates[key]
-        else:
-            rate = self.rates[key] = compute_rate(spec, engine, dtype)
-        compute = work / rate if rate is not None else 0.0
-        dma = hbm_bytes / spec.hbm_bandwidth
-        return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
-
-
-_kernel_seconds = _KernelSeconds()
+    global _rates_spec
+    spec = DEVICE.spec
+    if spec is not _rates_spec:  # a preset switched (DEVICE.use_spec) since the last kernel
+        _rates_spec = spec
+        _rates.clear()
+    key = (engine, dtype)
+    rate = _rates.get(key, _rates)
+    if rate is _rates:
+        rate = _rates[key] = compute_rate(spec, engine, dtype)
+    compute = work / rate if rate is not None else 0.0
+    dma = hbm_bytes / spec.hbm_bandwidth
+    return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
 
 
 def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
@@ -338,6 +394,13 @@ def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
     return 0, 0, None
 
 
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    """NeuronTensor.__torch_dispatch__: execute(), without a frame of its own."""
+    if DEVICE.lazy_pending:
+        DEVICE.synchronize()
+    return run(func, args, kwargs or {})
+
+
 def install() -> None:
-    NeuronTensor._execute = staticmethod(execute)
+    NeuronTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
     composite.install()

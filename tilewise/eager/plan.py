@@ -36,15 +36,22 @@ class OpPlan(NamedTuple):
     cross_device: bool             # host tensors of any size are legal arguments
     metadata_mutating: bool
     composite: Callable | None     # its computation in aten ops, where the host cannot run it (composite.py)
+    func: object                   # the OpOverload itself
+    call: Callable                 # calls the op on host tensors (an OpOverload's C++ entry: no Python frame)
+    # what the executor's fast path may run: a plain op (no composite, nothing returned it wrote,
+    # no transfer between devices) whose only arguments are device tensors and Python scalars
+    simple: bool
 
 
-_plans: dict = {}
+# Keyed by id(func): an OpOverload hashes in Python, and this runs for every op. A plan holds its
+# op, so the id stays its own while the entry lives (checked on each hit all the same).
+PLANS: dict[int, OpPlan] = {}
 
 
 def plan_of(func) -> OpPlan:
-    plan = _plans.get(func)
-    if plan is None:
-        plan = _plans[func] = _make_plan(func)
+    plan = PLANS.get(id(func))
+    if plan is None or plan.func is not func:
+        plan = PLANS[id(func)] = _make_plan(func)
     return plan
 
 
@@ -63,6 +70,8 @@ def _make_plan(func) -> OpPlan:
     mutating = any(source is not None for source in returned_writes)
     view = not mutating and any(ret.alias_info is not None for ret in schema.returns)
     flops = flop_registry.get(func._overloadpacket)
+    composite = COMPOSITES.get(func)
+    cross_device = name in CROSS_DEVICE
     return OpPlan(
         name=name,
         view=view,
@@ -71,9 +80,13 @@ def _make_plan(func) -> OpPlan:
         mutates=bool(written_by_set),
         engine=engine_of(name, flops is not None),
         flops=flops,
-        cross_device=name in CROSS_DEVICE,
+        cross_device=cross_device,
         metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
-        composite=COMPOSITES.get(func),
+        composite=composite,
+        func=func,
+        # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
+        call=func._op if type(func) is torch._ops.OpOverload else func,
+        simple=composite is None and not mutating and not cross_device,
     )
 
 
