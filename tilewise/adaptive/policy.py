@@ -1,23 +1,15 @@
 """The adaptive policy: what runs now, what waits, what compiles, and why.
 
-    Every op on a neuron tensor is recorded into the lazy segment, except those that must run at
-    once: random draws (in eager's order), reads of device data, ops whose output shape depends on
-    data. A flush computes the segment. Each recorded node has a fingerprint (op, input metadata,
-    constants, producers); it is stable once seen in `threshold` flushes (compiled mode: at once).
-    Stable nodes form convex regions. A region compiles at once when nothing else in its segment
-    is still warming up; while its neighbours settle, or in the segment that ends an engine block,
-    only once it recurs (so no compile goes unused). Compiled mode compiles at first sight.
-    Floats seen to change at their site become region inputs, so a schedule compiles once more,
-    not every step. Sizes that change (lengths, batch sizes): a node whose fingerprint without
-    sizes recurs is stable too; a region site (its ops and layouts without sizes) whose second
-    signature differs from its first only in sizes or int arguments (view sizes, arange ends)
-    compiles once, shape-generic, those dims and ints symbolic: adaptive mode generalises when the
-    region forms if its nodes were seen at other sizes, compiled mode compiled the first size
-    static. The ShapeEnv's guards decide which sizes it serves (a size 0 or 1 runs eagerly);
-    each new size gets its tile programs from it without tracing again. Compiled mode stops
-    recompiling a site after `recompile_limit` signatures, any mode after `generalise_limit`
-    generic compiles. Whatever does not compile runs eagerly with a typed reason, counted in
-    stats(): warming up, dynamic, or another `Why` (tilewise/reasons.py).
+    Every op on a neuron tensor is recorded into the lazy segment, except random draws (in eager's
+    order), reads of device data and ops whose output shape depends on data; a flush computes it.
+    A node is stable once its fingerprint (op, input metadata, constants, producers) was seen in
+    `threshold` flushes, or its fingerprint without sizes was (compiled mode: at once). Stable
+    nodes form convex regions; a region compiles when its segment has settled, else once it recurs
+    (no compile goes unused). A float seen to change becomes a region input; sizes and int
+    arguments seen to change (lengths, batch sizes, view sizes) make the region's site compile
+    once more, shape-generic, guarded by its ShapeEnv (sizes 0 and 1 run eagerly). Limits:
+    `recompile_limit` signatures per site (compiled mode), `generalise_limit` generic compiles.
+    What does not compile runs eagerly with a typed reason (`Why`, tilewise/reasons.py) in stats().
 
 This module is pure: the runtime asks it, it decides from counts it is given.
 """
