@@ -59,7 +59,11 @@ def mlp(device: str, wrap, steps: int, quick: bool):
     forward = wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = [(torch.randn(64, 32), torch.randint(0, 10, (64,))) for _ in range(steps)]
+    return _classifier_step(forward, opt, data, device)
 
+
+def _classifier_step(forward, opt, data, device: str):
+    """The usual step on batch i: cross-entropy, backward, step, zero_grad, read the loss."""
     def step(i: int) -> float:
         x, y = data[i]
         loss = F.cross_entropy(forward(x.to(device)), y.to(device))
@@ -137,16 +141,7 @@ def varlen(device: str, wrap, steps: int, quick: bool):
     forward = wrap(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = seq_batches(steps, random_lengths(steps))
-
-    def step(i: int) -> float:
-        tokens, labels = data[i]
-        loss = F.cross_entropy(forward(tokens.to(device)), labels.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    return step
+    return _classifier_step(forward, opt, data, device)
 
 
 def infer(device: str, wrap, steps: int, quick: bool):
