@@ -8,6 +8,7 @@ import torch
 import tilewise
 from tilewise.adaptive import policy, shapes
 from tilewise.adaptive import RUNTIME
+from tilewise.compiler import cache as compiler_cache
 from tilewise.compiler import decompose
 from tilewise.compiler.symbolic import Dynamic, compile_generic
 from tilewise.device.runtime import DEVICE
@@ -21,6 +22,7 @@ STEPS = 50
 @pytest.fixture(autouse=True)
 def cold():
     tilewise.reset_caches()
+    compiler_cache.clear_memory()  # a region compiled by an earlier test would be a hit, not a trace
     tilewise.stats().reset()
     yield
 
