@@ -508,11 +508,13 @@ class _Builder:
         return True
 
     def _note_views(self, line: str, outs: list[str]) -> None:
-        """Names the line reads that share memory with a view it made: the view may be of them."""
-        for value in (self.env[out] for out in outs):
+        """Names in the line that share memory with a view it made, other than that view: the view
+        may be of them (a line of op_aliases makes views of views it made itself)."""
+        for out in outs:
+            value = self.env[out]
             if value._is_view():
                 storage = value.untyped_storage().data_ptr()
-                self.viewed.update(name for name in _NAME.findall(line) if name in self.env and name not in outs
+                self.viewed.update(name for name in _NAME.findall(line) if name != out and name in self.env
                                    and isinstance(self.env[name], torch.Tensor)
                                    and self.env[name].untyped_storage().data_ptr() == storage)
 
