@@ -277,3 +277,24 @@ def test_an_op_without_cpu_kernel_or_composite_still_says_so(mode):
     with pytest.raises(NotImplementedError, match="_masked_scale"):
         with tilewise.engine(mode=mode):
             torch.ops.aten._masked_scale(x, x > 0, 2.0).cpu()
+
+
+def test_a_compiled_regions_recorded_graph_runs_host_only_ops_as_the_eager_replay_does():
+    """The replay tier runs a region's recorded aten ops on host buffers: a fused RNN cell (no CPU
+    kernel) runs as its composite, and autograd's ZeroTensor factory makes real zeros (a
+    ZeroTensor read by the next op crashed the process)."""
+    from tilewise.compiler.driver import source_graph
+    from tilewise.eager.composite import COMPOSITES
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    gates, hidden, cell = graph.placeholder("gates"), graph.placeholder("hidden"), graph.placeholder("cell")
+    fused = graph.call_function(aten._thnn_fused_lstm_cell.default, (gates, hidden, cell))
+    zeros = graph.call_function(aten._efficientzerotensor.default, ([B, H],), {"dtype": torch.float32})
+    graph.output((fused, graph.call_function(aten.add.Tensor, (zeros, 1.0))))
+    recorded = source_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+    inputs = [*_gates(4, 0), torch.randn(B, H)]
+    got = recorded(*inputs)
+    for value, want in zip(got[0], COMPOSITES[aten._thnn_fused_lstm_cell.default](*inputs), strict=True):
+        assert torch.equal(value, want)
+    assert torch.equal(got[1], torch.ones(B, H))

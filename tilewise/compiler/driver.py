@@ -8,6 +8,8 @@ import torch.utils._pytree as pytree
 
 from ..device.spec import DeviceSpec
 from .cost import estimate_cost
+from ..eager.composite import COMPOSITES
+from ..eager.plan import MATERIALIZED
 from .decompose import decompose, flat_module, host_factories
 from .emit import emit
 from .interpreter import interpret
@@ -133,12 +135,35 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
 
 
 def source_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph as given, ready to run on host buffers: positional inputs, host factories, and
-    its outputs as the flat tuple the decomposed graph returns."""
+    """The graph as given, ready to run on host buffers: positional inputs, host factories, each
+    op as the host runs it (`_host_target`), and its outputs as the flat tuple the decomposed
+    graph returns."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(host_factories(flat_module(gm)).graph, {})
     graph.output(tuple(pytree.tree_leaves(out)))
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.target = _host_target(node.target)
     return torch.fx.GraphModule(gm, graph)
+
+
+def _host_target(target):
+    """What the host runs for a recorded op, as the eager path's replay does (eager/executor.py
+    run_host): real zeros for autograd's ZeroTensors; a device-only fused op (an RNN cell recorded
+    under inference_mode) as its aten ops where the host has no kernel for it."""
+    target = MATERIALIZED.get(target, target)
+    composite = COMPOSITES.get(target)
+    if composite is None:
+        return target
+
+    def op_or_composite(*args, **kwargs):
+        try:
+            return target(*args, **kwargs)
+        except NotImplementedError:
+            return composite(*args, **kwargs)
+
+    op_or_composite.__name__ = f"{target.__name__}_or_composite"
+    return op_or_composite
 
 
 def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:

@@ -14,7 +14,7 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 from . import composite
-from .plan import PLANS, OpPlan, plan_of
+from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
 _Tensor = torch.Tensor
@@ -61,11 +61,6 @@ def execute(func, args, kwargs):
     return run(func, args, kwargs)
 
 
-# Host results a device buffer cannot stand for, and what the device makes instead: autograd's
-# zero gradients (sgn's, say) are ZeroTensors, which have no memory for a wrapper to hold.
-_MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
-
-
 def run(func, args, kwargs):
     """Run one aten op now, without flushing pending lazy work (the caller knows it is safe).
 
@@ -76,7 +71,7 @@ def run(func, args, kwargs):
     plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
     if plan is None or plan.func is not func:
         plan = plan_of(func)
-    if kwargs or not plan.simple:  # (the _MATERIALIZED factories take a list: _run)
+    if kwargs or not plan.simple:  # (the MATERIALIZED factories take a list: _run)
         return _run(func, args, kwargs)
     host = []
     core = None
@@ -122,7 +117,7 @@ def run(func, args, kwargs):
 def _run(func, args, kwargs):
     """run() for every op and argument: kwargs (`device=` among them), lists, host tensors,
     transfers, mutating and composite ops, tuples and non-tensors returned."""
-    func = _MATERIALIZED.get(func, func)
+    func = MATERIALIZED.get(func, func)
     plan = plan_of(func)
     if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
         return plan.composite(*args, **kwargs)
@@ -171,7 +166,7 @@ def _shares_memory_with(out, args) -> bool:
 def run_host(func, host_args, host_kwargs, core: int = 0):
     """Run one aten op on host buffers and charge it as one kernel to neuron:<core>: the lazy
     engine's replay."""
-    func = _MATERIALIZED.get(func, func)
+    func = MATERIALIZED.get(func, func)
     plan = plan_of(func)
     try:
         out = func(*host_args, **host_kwargs)

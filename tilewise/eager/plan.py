@@ -25,6 +25,12 @@ NO_KERNEL = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "
 CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
 
 
+# Host results a device buffer cannot stand for, and what the device makes instead: autograd's
+# zero gradients (sgn's, say) are ZeroTensors, which have no memory for a wrapper to hold (nor
+# for a compiled region's recorded graph to write into a buffer: an op reading one crashes).
+MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
+
+
 class OpPlan(NamedTuple):
     name: str                      # overload packet name, e.g. "add"
     view: bool                     # returns views of an input: no kernel, no new memory
