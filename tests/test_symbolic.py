@@ -191,3 +191,18 @@ def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():
     reasons = {reason for _, reason in stats.fallbacks}
     assert Why.ZERO_ONE_SIZE.value in reasons, stats.report()
     assert RUNTIME.regions.size().entries > 0
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_an_int_the_generic_trace_kept_constant_is_still_guarded(mode):
+    """Found by the fuzzer: a site generalised over sizes kept pow's exponent constant; the same
+    ops with another exponent and a new size were served by it (x ** 2 for x ** 3)."""
+    def program(x, exponent):
+        return (torch.pow(x * 1, exponent) - 1.5).sum(-1)
+
+    with tilewise.engine(mode=mode, threshold=2):
+        for rows, exponent in [(4, 2), (6, 2), (4, 2), (6, 2), (9, 2), (7, 3), (5, 3), (8, 3), (3, 2)]:
+            x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows))
+            got = program(x.to("neuron"), exponent).cpu()
+            torch.testing.assert_close(got, program(x, exponent), msg=f"rows {rows}, exponent {exponent}")
+    assert tilewise.stats().compiles >= 1, tilewise.stats().report()

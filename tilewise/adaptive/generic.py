@@ -75,7 +75,9 @@ class GenericSites:
         the site's generic region if its guards admit it, else generalise (policy permitting)."""
         if site.generic is not None:
             arguments = regions.arguments(segment, region, site.changes.ints)
-            if site.generic.admits(arguments):
+            # an int the trace kept constant (pow's exponent, a view size that never changed
+            # before) must still be the traced value: the ShapeEnv guards only its inputs
+            if set(changes.ints) <= set(site.changes.ints) and site.generic.admits(arguments):
                 return self._sized(segment, region, site, arguments)
             self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
         site.sightings += 1
