@@ -197,7 +197,11 @@ def _open_bytes(data: bytes, key: str) -> ctypes.PyDLL:
 def _private_directory() -> str:
     path = tempfile.mkdtemp(prefix="tilewise-native-")
     atexit.register(shutil.rmtree, path, True)
+    atexit.register(_EXITING.set)  # runs first (last in, first out): a build the exit cuts short is no failure
     return path
+
+
+_EXITING = threading.Event()  # the interpreter is exiting: builds still queued are abandoned quietly
 
 
 # -- the mixed executable ------------------------------------------------------------------------
@@ -347,6 +351,8 @@ class HostExecutable:
             library = load(self.program.source, self.where)
             native = executable(self.gm, self.program, library)
         except (CompileError, OSError, AttributeError) as error:
+            if _EXITING.is_set():  # the private directory is gone with the process: nothing failed
+                return
             self._fail(f"tilewise: native host code could not be built ({error}); the region keeps its "
                        f"PyTorch executable")
         else:
