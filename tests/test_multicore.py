@@ -18,6 +18,7 @@ import torch
 import tilewise
 from tilewise.adaptive.runtime import CORE_CHANGE
 from tilewise.compiler.backend import backend_stats
+from test_device_programs import assert_compiled_if_lazy
 
 MODES = ["eager", "adaptive", "compiled"]
 STEPS = 4  # adaptive compiles a region after `threshold` (3) identical flushes
@@ -37,14 +38,6 @@ def current_device_restored():
 def _engine(mode):
     """The engine in `mode`; None: no engine block at all."""
     return tilewise.engine(mode=mode) if mode else contextlib.nullcontext()
-
-
-def assert_compiled_if_lazy(mode: str) -> None:
-    stats = tilewise.stats()
-    if mode == "eager":
-        assert stats.compiles == 0 and stats.ops_compiled == 0
-    else:
-        assert stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
 
 
 def _mlp():

@@ -24,7 +24,7 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import check_device, execute, run
 from ..eager.plan import is_random, plan_of
-from . import analysis, events, interrupts, regions, scalars, shapes
+from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
 from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe,
@@ -32,7 +32,8 @@ from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
                      runs_now, stable_after)
 from .generic import GenericSites
-from .segment import VIEW, OtherCore, Segment, Unrecordable, fill_failed, without_floats
+from .steps import StepRunner, Unfinished, every_node
+from .segment import VIEW, OtherCore, Segment, Unrecordable, without_floats
 from .stats import Stats
 
 aten = torch.ops.aten
@@ -51,7 +52,7 @@ class OpInfo(NamedTuple):
     lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
 
 
-class Runtime(GenericSites):
+class Runtime(GenericSites, StepRunner):
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -278,7 +279,7 @@ class Runtime(GenericSites):
         try:
             steps = self._steps_for(segment)
         except Exception:  # a bug of the engine's own: surface it, with every value computed
-            self._run_tolerant(segment, _every_node(segment))
+            self._run_tolerant(segment, every_node(segment))
             raise
         self._run_steps(segment, steps)
 
@@ -304,7 +305,7 @@ class Runtime(GenericSites):
                     self.events.publish(events.replay_event(self.stats.segments, segment, steps, dynamic))
                 return steps
             self._forget(cache, key, segment, steps, missed)
-            return _every_node(segment)
+            return every_node(segment)
         steps, final, reusable = self._plan(segment)
         if final:
             self.plans.put((locals_, alias), steps)
@@ -478,67 +479,6 @@ class Runtime(GenericSites):
                     detail.misses += 1
                 for n in region.nodes:
                     self.seen.pop(segment.nodes[n].fp, None)
-
-    def _run_steps(self, segment: Segment, steps) -> None:
-        for done, step in enumerate(steps):
-            try:
-                self._run_step(segment, step)
-            except Exception:
-                # An op failed (as it would have eagerly, where the user sees it): raise it, but
-                # first compute everything else, so no value the program holds stays unwritten.
-                self._run_tolerant(segment, _node_steps(step) + list(steps[done + 1:]))
-                raise
-            except BaseException:
-                self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
-                raise
-
-    def _run_tolerant(self, segment: Segment, steps) -> None:
-        """Run steps after a failure: a step that fails again has its outputs filled (NaN, or zero
-        for integers), never left as unwritten memory."""
-        for done, step in enumerate(steps):
-            try:
-                self._run_step(segment, step)
-            except Exception:
-                if isinstance(step, RegionStep):
-                    self._run_tolerant(segment, _node_steps(step))
-                else:
-                    fill_failed(segment.nodes[step.index])
-            except BaseException:
-                self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
-                raise
-
-    def _run_step(self, segment: Segment, step: NodeStep | RegionStep) -> None:
-        if isinstance(step, NodeStep):
-            node = segment.nodes[step.index]
-            if node.kind != VIEW:  # a view was taken at record time: no op runs now
-                regions.replay(node)
-                self.stats.ops_eager += 1
-            return
-        region, entry = step.region, step.entry
-        entry.run(segment, region)
-        self.stats.ops_compiled += len(region.nodes)
-        self.stats.cache_hits += entry.reused
-        detail = self.stats.regions.get(entry.name)
-        if detail is not None:
-            detail.hits += entry.reused
-            detail.kernels = entry.kernels
-            detail.simulated_seconds += entry.seconds
-
-
-class Unfinished(NamedTuple):
-    """Work of a flush not yet done: a whole segment (steps None: plan it first) or the steps
-    left of its plan."""
-    segment: Segment
-    steps: list | None  # of NodeStep and RegionStep
-
-
-def _node_steps(step: NodeStep | RegionStep) -> list[NodeStep]:
-    """A step as eager node steps (a region's nodes one by one)."""
-    return [NodeStep(n) for n in step.region.nodes] if isinstance(step, RegionStep) else [step]
-
-
-def _every_node(segment: Segment) -> list[NodeStep]:
-    return [NodeStep(i) for i in range(len(segment.nodes))]
 
 
 def _flat(values):
