@@ -44,6 +44,12 @@ SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
+class Plan(NamedTuple):
+    """A segment's cached plan and the node signatures it was made for."""
+    steps: list
+    sigs: tuple
+
+
 class OpInfo(NamedTuple):
     """What dispatch needs to know of an op, read once."""
     func: object
@@ -80,7 +86,7 @@ class Runtime(GenericSites, StepRunner):
         self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
         self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
         self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
-        self.plans = BoundedCache(regions)
+        self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> Plan
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
@@ -285,12 +291,17 @@ class Runtime(GenericSites, StepRunner):
 
     def _steps_for(self, segment: Segment) -> list:
         """The segment's plan: cached (guards checked) or made now."""
-        locals_ = tuple(n.sig for n in segment.nodes)
+        locals_ = tuple([n.sig for n in segment.nodes])
         # Which external each node reads: `local` says only what its inputs look like, so
         # sub(x1, x1) and sub(x0, x1) on equal-looking inputs would share a plan.
-        alias = (alias_signature(segment.externals), tuple(tuple(n.ext) for n in segment.nodes))
-        key = (locals_, alias)
-        cache, steps = self.plans, self.plans.get(key)
+        alias = (alias_signature(segment.externals), tuple([tuple(n.ext) for n in segment.nodes]))
+        # Keyed by the fingerprints hashed at record time: hashing the signatures again (an op
+        # hashes in Python) cost milliseconds a flush on TinyGPT's step. Equal signatures give
+        # equal fingerprints; a plan serves only the signatures it was made for.
+        plan_key = (tuple([n.fp for n in segment.nodes]), alias)
+        plan = self.plans.get(plan_key)
+        cache, key = self.plans, plan_key
+        steps = plan.steps if plan is not None and plan.sigs == locals_ else None
         if steps is None:
             key = (tuple(without_floats(n.sig) if n.floats else n.sig for n in segment.nodes), alias)
             cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
@@ -308,7 +319,7 @@ class Runtime(GenericSites, StepRunner):
             return every_node(segment)
         steps, final, reusable = self._plan(segment)
         if final:
-            self.plans.put((locals_, alias), steps)
+            self.plans.put(plan_key, Plan(steps, locals_))
         elif reusable:
             # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
             # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
