@@ -319,3 +319,24 @@ def test_torch_save_inside_the_engine_saves_computed_values():
         torch.save(y, buffer)
     buffer.seek(0)
     torch.testing.assert_close(torch.load(buffer).cpu(), x.cpu() * 2)
+
+
+def test_a_cached_plan_serves_only_the_signatures_it_was_made_for(monkeypatch):
+    """Plans are keyed by the fingerprints hashed at record time: with every fingerprint forced to
+    collide, two programs of the same length still each get their own plan and CPU's numbers."""
+    steps_for = type(RUNTIME)._steps_for
+
+    def colliding(self, segment):
+        for node in segment.nodes:
+            node.fp = 0
+        return steps_for(self, segment)
+
+    monkeypatch.setattr(type(RUNTIME), "_steps_for", colliding)
+    programs = [lambda x: (x * 2.0) + 1.0, lambda x: (x - 3.0) * 4.0]
+    x = torch.arange(6.0)
+    tilewise.stats().reset()
+    with tilewise.engine(mode="adaptive", threshold=2):
+        got = [programs[i % 2](x.to("neuron")).cpu() for i in range(8)]
+    for i, value in enumerate(got):
+        torch.testing.assert_close(value, programs[i % 2](x), rtol=0, atol=0)
+    assert tilewise.stats().compiles >= 2  # both programs compiled, each served its own plan
