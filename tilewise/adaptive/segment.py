@@ -218,13 +218,13 @@ class Segment:
             return None
         if plan.view:
             node.kind = VIEW
-            host_out = node.func(*node.args, **node.kwargs)  # metadata only: no data is read
+            host_out = plan.call(*node.args, **node.kwargs)  # metadata only: no data is read
             outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
             node.outs = tuple(outs)
             node.out_meta = [_metadata(o) for o in outs]
             wrapped = [wrap(o, self.core) for o in outs]
-            node.wrappers = tuple(_held(w) for w in wrapped)
-            node.roots = tuple(self._root_of(node) for _ in outs)
+            node.wrappers = tuple([_held(w) for w in wrapped])
+            node.roots = (self._root_of(node),) * len(outs)  # every output aliases the same value
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
         node.kind = FUNCTIONAL
         # A float's value decides no output's shape, strides or dtype (its type does), except
