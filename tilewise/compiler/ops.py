@@ -59,7 +59,8 @@ def val(node):
 
 
 def shape(node) -> tuple[int, ...]:
-    return tuple(int(s) for s in val(node).shape)
+    # a symbolic size stays a SymInt (symbolic.py lowers with them); int() would pin it to its hint
+    return tuple(val(node).shape)
 
 
 def numel(dims) -> int:

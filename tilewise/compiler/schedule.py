@@ -18,6 +18,7 @@ from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
+from .sizes import frozen
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
@@ -56,7 +57,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
     index_of = {k.name: i for i, k in enumerate(kernels)}
     working = [k.sbuf_bytes_per_partition for k in kernels]
     live = [0] * len(kernels)
-    resident, stored, refused = set(), set(), []
+    resident, stored, refused = [], set(), []
     for i, kernel in enumerate(kernels):
         for ref in kernel.outputs.values():
             readers = {index_of.get(unit_of.get(u), -1) for u in users[ref.node]} - {i}  # -1: outside
@@ -71,10 +72,10 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
                 continue
             for k in range(i, last + 1):
                 live[k] += size
-            resident.add((ref.node, ref.rows_cols))
+            resident.append((ref.node, ref.rows_cols))
             if len(direct) < len(readers):
                 stored.add(ref.node)
-    launch = Launch(name, tuple(kernels), frozenset(resident), frozenset(stored), max(live))
+    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), max(live))
     return launch, refused
 
 
