@@ -18,7 +18,7 @@ from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
-from .sizes import frozen
+from .sizes import frozen, size_max
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
@@ -65,7 +65,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             if not direct:
                 continue
             size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
-            if max(working[k] + live[k] for k in range(i, last + 1)) + size > spec.sbuf_partition_bytes:
+            if size_max(*(working[k] + live[k] for k in range(i, last + 1))) + size > spec.sbuf_partition_bytes:
                 refused.append((f"{ref.node} -> SBUF", Reason(
                     Why.SBUF, f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
                             f"{name}; it goes through HBM")))
@@ -75,7 +75,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             resident.append((ref.node, ref.rows_cols))
             if len(direct) < len(readers):
                 stored.add(ref.node)
-    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), max(live))
+    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), size_max(*live))
     return launch, refused
 
 

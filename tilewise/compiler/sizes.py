@@ -8,6 +8,8 @@ With plain ints both behave as the dict and frozenset they replace.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -44,3 +46,8 @@ def frozen(items) -> frozenset | tuple:
                 unique.append(item)
         return tuple(unique)
     return frozenset(items)
+
+
+def size_max(*sizes):
+    """The largest size; of SymInts an expression (a Max), not a guard on which one is larger."""
+    return functools.reduce(torch.sym_max, sizes)

@@ -128,7 +128,7 @@ class GenericRegion:
             region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
             for _, pass_fn in SPECIALISE_PASSES:
                 region = pass_fn(region)
-        why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"no program of {len(self.programs)} admits {values}")
+        why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
         return Specialisation(region.launches, region.cost, output_layouts(traced), time.perf_counter() - started,
                               Made.PASSES, why)
 
