@@ -67,7 +67,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
             if size_max(*(working[k] + live[k] for k in range(i, last + 1))) + size > spec.sbuf_partition_bytes:
                 refused.append((f"{ref.node} -> SBUF", Reason(
-                    Why.SBUF, f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
+                    Why.SBUF, f"{_kib(size)} KiB per partition does not fit beside the live tiles of "
                             f"{name}; it goes through HBM")))
                 continue
             for k in range(i, last + 1):
@@ -86,3 +86,9 @@ def _reads_on_chip(kernel: Kernel, produced: HbmRef) -> bool:
                         or kernel.inputs[n].view not in ((), produced.shape) for n in names):
         return False
     return not any(op.op is Ops.LOAD and op.arg[0] in names and op.arg[1] for op in kernel.body)
+
+
+def _kib(size) -> str:
+    """Bytes as KiB text; a symbolic size as its expression (formatting it as a float would not
+    take a SymFloat, and evaluating it would fix the size)."""
+    return f"{size / 1024:.1f}" if isinstance(size, int) else f"({size}) / 1024"

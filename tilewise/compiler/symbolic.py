@@ -86,6 +86,10 @@ class GenericRegion:
             return True
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(inputs)}}))
 
+    def sizes(self, inputs) -> dict:
+        """The value of each symbol of the trace (a sympy Symbol) in these inputs."""
+        return {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+
     def run(self, *inputs) -> tuple:
         """The symbolic graph on the real buffers; in-place updates of inputs as the source graph."""
         return self.gm(*inputs)
@@ -100,7 +104,7 @@ class GenericRegion:
             self._sizes.move_to_end(key)
             return found, False
         started = time.perf_counter()
-        values = {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+        values = self.sizes(inputs)
         program = next((p for p in self.programs if p.admits(values)), None)
         if program is not None:
             made = self._evaluated(program, values, Made.EVALUATED, started)
@@ -122,15 +126,21 @@ class GenericRegion:
             else:
                 self.programs.append(program)
                 return self._evaluated(program, values, Made.PASSES, started)
+        made = self.by_passes(values)
+        why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
+        return made._replace(seconds=time.perf_counter() - started, why=why)
+
+    def by_passes(self, values: dict) -> Specialisation:
+        """The tile programs at one size (symbol -> int) made by the passes on the graph at that
+        size: what a parametric program must evaluate to where its guards hold."""
+        started = time.perf_counter()
         # never run, only lowered: its Python code need not be generated (lazy recompile)
         with _use_lazy_graph_module(True):
             traced = concrete(self.gm, values)
             region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
             for _, pass_fn in SPECIALISE_PASSES:
                 region = pass_fn(region)
-        why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
-        return Specialisation(region.launches, region.cost, output_layouts(traced), time.perf_counter() - started,
-                              Made.PASSES, why)
+        return Specialisation(region.launches, region.cost, output_layouts(traced), time.perf_counter() - started)
 
     def _evaluated(self, program: ParametricProgram, values: dict, made: Made, started: float) -> Specialisation:
         launches, cost, outputs = program.evaluate(values, self.spec)
