@@ -107,7 +107,10 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
         raise NotParametric(f"the passes decided on an exact size ({', '.join(pinned)})")
     back = {new: old for old, new in fresh.items()}
     guards = [guard.expr.xreplace(back) for guard in env.guards] + [old >= 2 for old in fresh]
-    return ParametricProgram(fill, tuple(hint), guards, [e.xreplace(back) for e in exprs], dict(hint))
+    try:
+        return ParametricProgram(fill, tuple(hint), guards, [e.xreplace(back) for e in exprs], dict(hint))
+    except Exception as error:  # an expression the Python printer does not know
+        raise NotParametric(f"its expressions do not compile: {type(error).__name__}: {error}"[:160]) from error
 
 
 def _graph_with_symbols(gm: torch.fx.GraphModule, env: ShapeEnv, fresh: dict, hint: dict) -> torch.fx.GraphModule:

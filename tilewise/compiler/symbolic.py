@@ -9,12 +9,18 @@ expensive pass). What the trace assumed about the symbols comes back as the Shap
 cache miss, never an error.
 
 The host runs the symbolic graph itself on the real buffers: its size arithmetic is graph nodes.
-The tile programs, which the cost model charges, have their loop bounds compiled in, so each new
-size gets a *specialisation*: the decomposed graph re-traced with this call's concrete inputs (no
-decomposition runs again: the graph is core ATen already) and taken through the later passes
-(partition, lower, memory plan, schedule, cost). Specialisations are counted apart from compiles
-and kept per region up to a bound (least recently used evicted). The native C tier stays off for
-generic regions, for the same reason: its tile loops have their bounds compiled in.
+The tile programs, which the cost model charges, are *parametric* (parametric.py): the later passes
+(partition, lower with its memory fit, schedule) run once on the symbolic graph with the sizes as
+SymInts, so loop extents, HBM views and live bytes come out as expressions of the region's size
+symbols, and every decision the passes took on a size comes out as a guard (a row that must fit
+SBUF, two views that must differ). A new size whose guards hold is served by evaluating those
+expressions and costing the result: no pass runs (`evaluated` in the statistics). A size the
+guards reject gets a new parametric program lowered at it, up to PROGRAM_LIMIT per region; past
+that, or when the passes cannot run symbolically (a NotParametric reason, kept on the region), a
+*specialisation*: the graph at that size (sizes substituted, no decomposition runs again) taken
+through the passes. Both ways of making tile programs count as specialisations; what a size got is
+kept per region up to a bound (least recently used evicted). The native C tier stays off for
+generic regions: its tile loops have their bounds compiled in.
 """
 from __future__ import annotations
 
@@ -151,7 +157,10 @@ class GenericRegion:
         lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
                  f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self._guard_text}"]
         lines += format_graph(self.gm.graph)
-        lines += ["", "# at this size:"] + ["  " + str(launch) for launch in made.launches]
+        lines += [f"# parametric tile program {i}: {program!r}" for i, program in enumerate(self.programs)]
+        if self.not_parametric is not None:
+            lines.append(f"# tile programs made per size: {self.not_parametric}")
+        lines += ["", f"# at this size ({made.made.value}):"] + ["  " + str(launch) for launch in made.launches]
         lines += [f"  # cost of launch {c.name}: {c.engine} {c.seconds * 1e6:.2f} us, {c.hbm_bytes} HBM bytes"
                   for c in made.cost]
         return "\n".join(lines)
