@@ -11,8 +11,9 @@ import torch
 import tilewise
 from tilewise.compiler import cache as compiler_cache
 from tilewise.compiler import symbolic
+from tilewise.compiler.interpreter import interpret
 from tilewise.compiler.parametric import Made
-from tilewise.compiler.symbolic import Dynamic, compile_generic
+from tilewise.compiler.symbolic import Dynamic, compile_generic, concrete
 from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Why
 from tilewise.workloads import random_lengths, train_seq
@@ -103,6 +104,18 @@ def test_an_elementwise_reduction_and_matmul_region_evaluates_as_the_passes_unti
         assert new and made.made is Made.EVALUATED, n
         assert structure(made) == structure(generic.by_passes(generic.sizes(_reduce_and_matmul(n))))
     assert (generic.specialisations, generic.evaluated) == (2, 2), generic
+
+
+def test_evaluated_tile_programs_run_tile_by_tile_compute_what_pytorch_computes():
+    generic = compile_generic(_reduce_and_matmul_graph(), _reduce_and_matmul(40),
+                              Dynamic((frozenset({1}), frozenset({0}))), DEVICE.spec, "r", limit=16)
+    for n in (3, 129, 300):  # contractions of 1, 2 and 3 tiles of 128 rows, the last one partial
+        x, w = inputs = _reduce_and_matmul(n)
+        made, new = generic.specialise(inputs)
+        assert new and made.made is Made.EVALUATED, n
+        rows, out = interpret(concrete(generic.gm, generic.sizes(inputs)), made.launches, inputs)
+        torch.testing.assert_close(rows, x.exp().sum(-1))
+        torch.testing.assert_close(out, torch.tanh(x @ w))
 
 
 def _seq_generics(monkeypatch, lengths):

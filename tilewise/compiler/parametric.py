@@ -26,7 +26,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from ..device.spec import DeviceSpec
 from ..reasons import Reason, Why
-from .cost import estimate_cost, launch_cost, opaque_calls
+from .cost import launch_cost, opaque_calls
 from .region import Region
 from .sizes import frozen
 from .tile_ir import HbmRef, Kernel, Launch, TileOp
@@ -71,7 +71,10 @@ class ParametricProgram:
         self._values = eval(f"lambda {args}: ({values})", {})
 
     def admits(self, values: dict) -> bool:
-        return bool(self._admits(*(values[symbol] for symbol in self.order)))
+        try:
+            return bool(self._admits(*(values[symbol] for symbol in self.order)))
+        except ArithmeticError:  # a guard undefined at these sizes (a division by a size) does not hold
+            return False
 
     def evaluate(self, values: dict, spec: DeviceSpec) -> Evaluated:
         """The program's launches, cost and output layouts at this size (its guards must hold)."""
@@ -91,9 +94,8 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
     env = ShapeEnv(duck_shape=False)  # two sizes equal at the hint are still two symbols
     fresh = {old: env.create_symbol(size, LocalSource(str(old)), dynamic_dim=DimDynamic.DYNAMIC)
              for old, size in hint.items()}
-    symbolic = _graph_with_symbols(gm, env, fresh, hint)
-    region = Region(pass_name="parametric", gm=symbolic, name=name, spec=spec)
     try:
+        region = Region(pass_name="parametric", gm=_graph_with_symbols(gm, env, fresh, hint), name=name, spec=spec)
         with _use_lazy_graph_module(True):
             for _, pass_fn in passes:
                 region = pass_fn(region)

@@ -62,8 +62,9 @@ class Specialisation(NamedTuple):
     why: Reason | None = None  # why the passes ran for this size alone (no parametric program)
 
 
-# Parametric programs made per region: each costs several specialisations' time to lower, so a
-# region whose sizes keep crossing its programs' guards gets per-size specialisations instead.
+# Parametric programs made per region (and no more than its specialisation limit): each costs
+# several specialisations' time to lower, so a region whose sizes keep crossing its programs'
+# guards gets per-size specialisations instead.
 PROGRAM_LIMIT = 2
 
 
@@ -124,7 +125,7 @@ class GenericRegion:
         return made, True
 
     def _made_by_passes(self, values: dict, started: float) -> Specialisation:
-        if self.not_parametric is None and len(self.programs) < PROGRAM_LIMIT:
+        if self.not_parametric is None and len(self.programs) < min(PROGRAM_LIMIT, self._limit):
             try:
                 program = lower_parametric(self.gm, values, PARAMETRIC_PASSES, self.spec, self.name)
             except NotParametric as refusal:

@@ -112,7 +112,9 @@ class Launch:
     """
     name: str
     kernels: tuple[Kernel, ...]
-    resident: frozenset = frozenset()   # (region value, (rows, cols) layout) kept in SBUF in this launch
+    # (region value, (rows, cols) layout) kept in SBUF in this launch; a tuple while the layouts
+    # are symbolic (sizes.frozen), a frozenset once evaluated
+    resident: frozenset = frozenset()
     stored: frozenset = frozenset()     # names of resident values also written to HBM
     resident_bytes_per_partition: int = 0  # peak SBUF the resident values take, beside the kernels' tiles
 
