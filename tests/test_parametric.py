@@ -153,10 +153,15 @@ def test_the_sequence_models_generic_region_evaluates_as_the_passes_at_every_len
         # every symbol of the trace is the length here (the view sizes derived from it are
         # expressions of it): the sizes at another length are the same symbols at that length
         assert len(set(program.hint.values())) == 1, program.hint
-        for length in (4, 5, 7, 13, 33, 61, 64, 127, 129, 200):
+        # the largest length the guards (SBUF fits) admit, and the first they reject
+        largest = max(n for n in range(2, 20000) if program.admits({symbol: n for symbol in program.order}))
+        assert 200 < largest < 19999, program
+        for length in (4, 5, 7, 13, 33, 61, 64, 127, 129, 200, largest):
             values = {symbol: length for symbol in program.order}
             assert program.admits(values), (length, program)
             assert_evaluates_as_the_passes(generic, program, values)
+        values = {symbol: largest + 1 for symbol in program.order}
+        assert structure(program.evaluate(values, generic.spec)) != structure(generic.by_passes(values)), largest
 
 
 def test_random_lengths_make_at_most_two_tile_programs_per_region_by_the_passes(monkeypatch):
