@@ -50,4 +50,6 @@ def frozen(items) -> frozenset | tuple:
 
 def size_max(*sizes):
     """The largest size; of SymInts an expression (a Max), not a guard on which one is larger."""
-    return functools.reduce(torch.sym_max, sizes)
+    if any(isinstance(size, torch.SymInt) for size in sizes):
+        return functools.reduce(torch.sym_max, sizes)
+    return max(sizes)  # the passes ask this per tile op: plain ints take the builtin's speed
