@@ -81,7 +81,9 @@ class HbmRef:
         """SBUF the whole value takes per partition when held on chip: rows (of every batch)
         spread over the partitions, each partition holding whole rows."""
         *batch, rows, cols = self.rows_cols
-        return math.prod(batch) * -(-rows // partitions) * cols * _itemsize(self.dtype)
+        # ceil(rows / partitions) without negating: of a symbolic size, -(-rows // p) is a floor
+        # division of a negative expression, which sympy simplifies at length
+        return math.prod(batch) * ((rows + partitions - 1) // partitions) * cols * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
