@@ -34,6 +34,7 @@ class Why(enum.Enum):
     VIEW = "view"
     SBUF = "sbuf"                # does not fit in SBUF
     OPAQUE = "opaque"            # no tile lowering: runs as its own kernel
+    NOT_PARAMETRIC = "no parametric tile program"  # a generic region's sizes made per size instead
 
     @property
     def is_transfer(self) -> bool:

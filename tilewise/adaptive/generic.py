@@ -125,13 +125,19 @@ class GenericSites:
     def _sized(self, segment: Segment, region: Region, site: Site, arguments: list):
         """The entry serving this size of the site's generic region: its tile programs made now or
         kept, its outputs' layouts checked against those the segment recorded."""
+        from ..compiler.parametric import Made  # the compiler layer sits below
         try:
             made, new = site.generic.specialise(arguments)
         except Exception as error:  # this size's tile programs do not lower: it runs eagerly
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
-        if new:
+        if new and made.made is Made.EVALUATED:
+            self.stats.evaluated_sizes += 1
+            self.stats.evaluate_seconds += made.seconds
+        elif new:
             self.stats.specialisations += 1
             self.stats.specialise_seconds += made.seconds
+            if made.why is not None:  # made for this size alone, not as a parametric program
+                self.stats.not_parametric[str(made.why)] += 1
         recorded = tuple((tuple(b.shape), b.stride(), b.dtype) for b in
                          (segment.nodes[n].outs[o] for n, o in region.outputs))
         if recorded != made.outputs:

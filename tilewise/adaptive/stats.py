@@ -49,6 +49,10 @@ class Stats:
         # per-size tile programs of shape-generic regions (cheap: no decomposition; not compiles)
         self.specialisations = 0
         self.specialise_seconds = 0.0
+        # sizes served by evaluating a generic region's parametric tile program (no passes ran)
+        self.evaluated_sizes = 0
+        self.evaluate_seconds = 0.0
+        self.not_parametric: collections.Counter = collections.Counter()  # reason -> sizes specialised alone
         self.site_compiles: collections.Counter = collections.Counter()  # region site -> compiles there
         self.cache_hits = 0
         self.cache_misses = 0
@@ -127,6 +131,8 @@ class Stats:
             "regions_found": self.regions_found, "compiles": self.compiles,
             "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
             "specialisations": self.specialisations, "specialise_seconds": self.specialise_seconds,
+            "evaluated_sizes": self.evaluated_sizes, "evaluate_seconds": self.evaluate_seconds,
+            "not_parametric": dict(self.not_parametric),
             "most_compiles_per_site": self.most_compiles_per_site,
             "unused_compiles": self.unused_compiles,
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
@@ -152,6 +158,7 @@ class Stats:
             f"  regions found {self.regions_found}, compiles {self.compiles} "
             f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
             f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s), "
+            f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
@@ -168,6 +175,9 @@ class Stats:
                 for name, size in caches.items()))
         if self.guard_misses:
             lines.append("  guard misses: " + ", ".join(f"{r} x{n}" for r, n in self.guard_misses.most_common()))
+        if self.not_parametric:
+            lines.append("  sizes specialised alone, not by a parametric program: " + ", ".join(
+                f"{r} x{n}" for r, n in self.not_parametric.most_common(5)))
         if self.fallbacks:
             lines.append("  eager fallbacks (op, reason, count, where):")
             lines += [f"    {op:<28} {reason:<44} x{n:<6} {self.fallback_sources.get((op, reason)) or ''}"

@@ -96,11 +96,28 @@ def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
     return hbm, dma_seconds(spec, dma_bytes), engine, compute, flops, max(tiles, 1)
 
 
-def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> LaunchCost:
-    """One launch overhead, then each kernel in turn: its DMA overlapped with its compute."""
+class OpaqueCall(NamedTuple):
+    """What an opaque kernel runs on the host, its graph values as their meta tensors: what its
+    cost is read from (symbolic.py keeps it with symbolic sizes and evaluates it per size)."""
+    target: object
+    args: tuple
+    kwargs: dict
+    inputs: tuple    # the tensor inputs' meta values
+    out: object
+
+
+def opaque_call(node) -> OpaqueCall:
+    ins = tuple(val(a) for a in node.all_input_nodes if isinstance(val(a), torch.Tensor))
+    return OpaqueCall(node.target, torch.fx.node.map_arg(node.args, val), torch.fx.node.map_arg(node.kwargs, val),
+                      ins, val(node))
+
+
+def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec) -> LaunchCost:
+    """One launch overhead, then each kernel in turn: its DMA overlapped with its compute. `calls`
+    maps an opaque kernel's node to its OpaqueCall."""
     first = launch.kernels[0]
     if first.kind == "opaque":
-        return opaque_cost(first, nodes[first.nodes[0]], spec)
+        return opaque_cost(first, calls[first.nodes[0]], spec)
     seconds, hbm, flops, busy = spec.launch_overhead_s, 0, 0, {}
     for kernel in launch.kernels:
         stage_hbm, dma, engine, compute, stage_flops, tiles = _stage(kernel, launch, spec)
@@ -113,27 +130,27 @@ def launch_cost(launch: Launch, nodes: dict, spec: DeviceSpec) -> LaunchCost:
     return LaunchCost(launch.name, engine, seconds, hbm, flops)
 
 
-def opaque_cost(kernel: Kernel, node, spec: DeviceSpec) -> LaunchCost:
+def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCost:
     """An op we could not lower costs what eager charges for it."""
-    ins = [val(a) for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
-    out = val(node)
-    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+    outs = [o for o in (call.out if isinstance(call.out, (list, tuple)) else [call.out]) if isinstance(o, torch.Tensor)]
+    ins = list(call.inputs)
     hbm = sum(_nbytes(t.shape, t.dtype) for t in ins + outs)
-    formula = flop_registry.get(getattr(node.target, "_overloadpacket", None))
-    flops = 0
-    if formula is not None:
-        args = torch.fx.node.map_arg(node.args, val)
-        kwargs = torch.fx.node.map_arg(node.kwargs, val)
-        flops = int(formula(*args, **kwargs, out_val=out))
-    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", str(node.target))
+    formula = flop_registry.get(getattr(call.target, "_overloadpacket", None))
+    flops = int(formula(*call.args, **call.kwargs, out_val=call.out)) if formula is not None else 0
+    name = getattr(getattr(call.target, "_overloadpacket", None), "__name__", str(call.target))
     engine = engine_of(name, formula is not None)
     work = flops or max([t.numel() for t in ins + outs] or [0])
     dtype = outs[0].dtype if outs else torch.float32
     return LaunchCost(kernel.name, engine, kernel_seconds(spec, engine, hbm, work, dtype), hbm, flops)
 
 
-def estimate_cost(region: Region) -> Region:
-    spec = region.spec
+def opaque_calls(region: Region) -> dict:
+    """The OpaqueCall of each opaque kernel's node."""
     nodes = {n.name: n for n in region.gm.graph.nodes}
-    cost = tuple(launch_cost(launch, nodes, spec) for launch in region.launches)
+    return {k.nodes[0]: opaque_call(nodes[k.nodes[0]]) for k in region.kernels if k.kind == "opaque"}
+
+
+def estimate_cost(region: Region) -> Region:
+    calls = opaque_calls(region)
+    cost = tuple(launch_cost(launch, calls, region.spec) for launch in region.launches)
     return region.replace(pass_name="cost", cost=cost)

@@ -23,6 +23,7 @@ from .memory_plan import check_tile_limits, fits, live_bytes
 from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, Reason,
                   arange_bounds, cat_parts, category, lowest, matmul_dims, numel, shape, val)
 from .region import Group, Region
+from .sizes import SizedMap
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
 aten = torch.ops.aten
@@ -60,7 +61,7 @@ class _Loop:
         self.inside = set(group.nodes)
         self.body: list[TileOp] = []
         self.env: dict[str, TileOp] = {}
-        self.loads: dict = {}
+        self.loads = SizedMap()  # (value, view) -> its tile: views may hold symbolic sizes
         self.kernel_in, self.kernel_out = kernel_in, kernel_out
         rows, cols = group.domain
         self.rows_step = min(spec.partitions, spec.matmul_stationary_free) if group.kind == "matmul" \
@@ -176,16 +177,17 @@ class _Loop:
 
     def load_as(self, value, view, row: bool) -> TileOp:
         key = (value.name, view)
-        if key not in self.loads:
+        tile = self.loads.get(key)
+        if tile is None:
             if value.name in self.group.inlined:
-                self.loads[key] = self.recompute(value, view, row)
+                tile = self.recompute(value, view, row)
             else:
                 rows, cols = self.group.domain
                 hbm = self.hbm_in(value, view, self.layout(rows, 1 if row else cols))
-                self.loads[key] = self.emit(TileOp(Ops.LOAD, val(value).dtype, (), (hbm, False),
-                                                   self.row_axes if row else self.full_axes, "sbuf",
-                                                   f"{value.name}_sbuf"))
-        return self.loads[key]
+                tile = self.emit(TileOp(Ops.LOAD, val(value).dtype, (), (hbm, False),
+                                        self.row_axes if row else self.full_axes, "sbuf", f"{value.name}_sbuf"))
+            self.loads.put(key, tile)
+        return tile
 
     def hbm_in(self, value, view, rows_cols) -> str:
         ref = hbm_ref(value, rows_cols, view=view)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..device.spec import DeviceSpec
 from ..errors import TileLimitError
+from .sizes import size_max
 from .tile_ir import Kernel, Launch, Ops
 
 
@@ -30,7 +31,7 @@ def live_bytes(kernel: Kernel) -> tuple[int, int]:
                 sbuf += size
             else:
                 psum += 1
-        peak_sbuf, peak_psum = max(peak_sbuf, sbuf), max(peak_psum, psum)
+        peak_sbuf, peak_psum = size_max(peak_sbuf, sbuf), max(peak_psum, psum)
         for space, size in ending.pop(index, []):
             if space == "sbuf":
                 sbuf -= size

@@ -59,7 +59,8 @@ def val(node):
 
 
 def shape(node) -> tuple[int, ...]:
-    return tuple(int(s) for s in val(node).shape)
+    # a symbolic size stays a SymInt (symbolic.py lowers with them); int() would pin it to its hint
+    return tuple(val(node).shape)
 
 
 def numel(dims) -> int:
@@ -100,7 +101,7 @@ def arange_bounds(node) -> tuple[int, int] | None:
         return None
     bounds = (0, node.args[0], 1) if node.target is aten.arange.default else (tuple(node.args) + (1,))[:3]
     if len(node.args) < (1 if node.target is aten.arange.default else 2) or \
-            not all(type(b) is int for b in bounds):
+            not all(type(b) is int or isinstance(b, torch.SymInt) for b in bounds):
         return None
     return bounds[0], bounds[2]
 

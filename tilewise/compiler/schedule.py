@@ -18,6 +18,7 @@ from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
+from .sizes import frozen, size_max
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
@@ -56,7 +57,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
     index_of = {k.name: i for i, k in enumerate(kernels)}
     working = [k.sbuf_bytes_per_partition for k in kernels]
     live = [0] * len(kernels)
-    resident, stored, refused = set(), set(), []
+    resident, stored, refused = [], set(), []
     for i, kernel in enumerate(kernels):
         for ref in kernel.outputs.values():
             readers = {index_of.get(unit_of.get(u), -1) for u in users[ref.node]} - {i}  # -1: outside
@@ -64,17 +65,17 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             if not direct:
                 continue
             size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
-            if max(working[k] + live[k] for k in range(i, last + 1)) + size > spec.sbuf_partition_bytes:
+            if size_max(*(working[k] + live[k] for k in range(i, last + 1))) + size > spec.sbuf_partition_bytes:
                 refused.append((f"{ref.node} -> SBUF", Reason(
-                    Why.SBUF, f"{size / 1024:.1f} KiB per partition does not fit beside the live tiles of "
+                    Why.SBUF, f"{_kib(size)} KiB per partition does not fit beside the live tiles of "
                             f"{name}; it goes through HBM")))
                 continue
             for k in range(i, last + 1):
                 live[k] += size
-            resident.add((ref.node, ref.rows_cols))
+            resident.append((ref.node, ref.rows_cols))
             if len(direct) < len(readers):
                 stored.add(ref.node)
-    launch = Launch(name, tuple(kernels), frozenset(resident), frozenset(stored), max(live))
+    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), size_max(*live))
     return launch, refused
 
 
@@ -85,3 +86,9 @@ def _reads_on_chip(kernel: Kernel, produced: HbmRef) -> bool:
                         or kernel.inputs[n].view not in ((), produced.shape) for n in names):
         return False
     return not any(op.op is Ops.LOAD and op.arg[0] in names and op.arg[1] for op in kernel.body)
+
+
+def _kib(size) -> str:
+    """Bytes as KiB text; a symbolic size as its expression (formatting it as a float would not
+    take a SymFloat, and evaluating it would fix the size)."""
+    return f"{size / 1024:.1f}" if isinstance(size, int) else f"({size}) / 1024"

@@ -9,12 +9,18 @@ expensive pass). What the trace assumed about the symbols comes back as the Shap
 cache miss, never an error.
 
 The host runs the symbolic graph itself on the real buffers: its size arithmetic is graph nodes.
-The tile programs, which the cost model charges, have their loop bounds compiled in, so each new
-size gets a *specialisation*: the decomposed graph re-traced with this call's concrete inputs (no
-decomposition runs again: the graph is core ATen already) and taken through the later passes
-(partition, lower, memory plan, schedule, cost). Specialisations are counted apart from compiles
-and kept per region up to a bound (least recently used evicted). The native C tier stays off for
-generic regions, for the same reason: its tile loops have their bounds compiled in.
+The tile programs, which the cost model charges, are *parametric* (parametric.py): the later passes
+(partition, lower with its memory fit, schedule) run once on the symbolic graph with the sizes as
+SymInts, so loop extents, HBM views and live bytes come out as expressions of the region's size
+symbols, and every decision the passes took on a size comes out as a guard (a row that must fit
+SBUF, two views that must differ). A new size whose guards hold is served by evaluating those
+expressions and costing the result: no pass runs (`evaluated` in the statistics). A size the
+guards reject gets a new parametric program lowered at it, up to PROGRAM_LIMIT per region; past
+that, or when the passes cannot run symbolically (a NotParametric reason, kept on the region), a
+*specialisation*: the graph at that size (sizes substituted, no decomposition runs again) taken
+through the passes. Both ways of making tile programs count as specialisations; what a size got is
+kept per region up to a bound (least recently used evicted). The native C tier stays off for
+generic regions: its tile loops have their bounds compiled in.
 """
 from __future__ import annotations
 
@@ -32,8 +38,10 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, Shap
 
 from ..device.spec import DeviceSpec
 from ..errors import CompileError
+from ..reasons import Reason, Why
 from . import decompose
 from .driver import PASSES, _zeros_like_layout
+from .parametric import Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
 from .region import Region, format_graph
 
 
@@ -50,6 +58,14 @@ class Specialisation(NamedTuple):
     cost: tuple            # one entry per launch, as CompiledRegion.cost
     outputs: tuple         # (shape, stride, dtype) of each output at this size, from the trace
     seconds: float         # host time it took to make
+    made: Made = Made.PASSES
+    why: Reason | None = None  # why the passes ran for this size alone (no parametric program)
+
+
+# Parametric programs made per region (and no more than its specialisation limit): each costs
+# several specialisations' time to lower, so a region whose sizes keep crossing its programs'
+# guards gets per-size specialisations instead.
+PROGRAM_LIMIT = 2
 
 
 class GenericRegion:
@@ -65,7 +81,10 @@ class GenericRegion:
         self._guards = compile(guards, f"<{name} guards>", "eval") if guards else None
         self._limit = limit
         self._sizes: collections.OrderedDict = collections.OrderedDict()  # size key -> Specialisation
-        self.specialisations = 0  # made so far (evicted ones included)
+        self.programs: list[ParametricProgram] = []
+        self.not_parametric: Reason | None = None  # why the passes could not run symbolically
+        self.specialisations = 0  # made by the passes so far (evicted ones included)
+        self.evaluated = 0  # sizes served by evaluating a parametric program
         self.runs = 0  # counted by the adaptive engine's entries (regions.Sized)
 
     def admits(self, inputs) -> bool:
@@ -74,38 +93,75 @@ class GenericRegion:
             return True
         return bool(eval(self._guards, SYMPY_INTERP, {"L": {f"t{i}": v for i, v in enumerate(inputs)}}))
 
+    def sizes(self, inputs) -> dict:
+        """The value of each symbol of the trace (a sympy Symbol) in these inputs."""
+        return {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+
     def run(self, *inputs) -> tuple:
         """The symbolic graph on the real buffers; in-place updates of inputs as the source graph."""
         return self.gm(*inputs)
 
     def specialise(self, inputs) -> tuple[Specialisation, bool]:
-        """The tile programs for these inputs' sizes, and whether they were made now."""
+        """The tile programs for these inputs' sizes, and whether they were made now: evaluated
+        from a parametric program whose guards admit the sizes, or made by the passes (a new
+        parametric program while there are fewer than PROGRAM_LIMIT, else for this size alone)."""
         key = _size_key(inputs)
         found = self._sizes.get(key)
         if found is not None:
             self._sizes.move_to_end(key)
             return found, False
         started = time.perf_counter()
-        values = {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+        values = self.sizes(inputs)
+        program = next((p for p in self.programs if p.admits(values)), None)
+        if program is not None:
+            made = self._evaluated(program, values, Made.EVALUATED, started)
+            self.evaluated += 1
+        else:
+            made = self._made_by_passes(values, started)
+            self.specialisations += 1
+        self._sizes[key] = made
+        if len(self._sizes) > self._limit:
+            self._sizes.popitem(last=False)
+        return made, True
+
+    def _made_by_passes(self, values: dict, started: float) -> Specialisation:
+        if self.not_parametric is None and len(self.programs) < min(PROGRAM_LIMIT, self._limit):
+            try:
+                program = lower_parametric(self.gm, values, PARAMETRIC_PASSES, self.spec, self.name)
+            except NotParametric as refusal:
+                self.not_parametric = refusal.reason
+            else:
+                self.programs.append(program)
+                return self._evaluated(program, values, Made.PASSES, started)
+        made = self.by_passes(values)
+        why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
+        return made._replace(seconds=time.perf_counter() - started, why=why)
+
+    def by_passes(self, values: dict) -> Specialisation:
+        """The tile programs at one size (symbol -> int) made by the passes on the graph at that
+        size: what a parametric program must evaluate to where its guards hold."""
+        started = time.perf_counter()
         # never run, only lowered: its Python code need not be generated (lazy recompile)
         with _use_lazy_graph_module(True):
             traced = concrete(self.gm, values)
             region = Region(pass_name="specialise", gm=traced, name=self.name, spec=self.spec)
             for _, pass_fn in SPECIALISE_PASSES:
                 region = pass_fn(region)
-        made = Specialisation(region.launches, region.cost, _output_layouts(traced), time.perf_counter() - started)
-        self._sizes[key] = made
-        self.specialisations += 1
-        if len(self._sizes) > self._limit:
-            self._sizes.popitem(last=False)
-        return made, True
+        return Specialisation(region.launches, region.cost, output_layouts(traced), time.perf_counter() - started)
+
+    def _evaluated(self, program: ParametricProgram, values: dict, made: Made, started: float) -> Specialisation:
+        launches, cost, outputs = program.evaluate(values, self.spec)
+        return Specialisation(launches, cost, outputs, time.perf_counter() - started, made)
 
     def describe(self, made: Specialisation) -> str:
         """The symbolic graph, its guards, and one size's launches with their cost (`explain`)."""
         lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
                  f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self._guard_text}"]
         lines += format_graph(self.gm.graph)
-        lines += ["", "# at this size:"] + ["  " + str(launch) for launch in made.launches]
+        lines += [f"# parametric tile program {i}: {program!r}" for i, program in enumerate(self.programs)]
+        if self.not_parametric is not None:
+            lines.append(f"# tile programs made per size: {self.not_parametric}")
+        lines += ["", f"# at this size ({made.made.value}):"] + ["  " + str(launch) for launch in made.launches]
         lines += [f"  # cost of launch {c.name}: {c.engine} {c.seconds * 1e6:.2f} us, {c.hbm_bytes} HBM bytes"
                   for c in made.cost]
         return "\n".join(lines)
@@ -116,6 +172,8 @@ class GenericRegion:
 
 # The driver's pipeline less decompose (done once, symbolically) and emit (no native tier).
 SPECIALISE_PASSES = tuple((name, fn) for name, fn in PASSES if name not in ("decompose", "emit"))
+# What runs with symbolic sizes: the cost runs per size on the evaluated launches.
+PARAMETRIC_PASSES = tuple((name, fn) for name, fn in SPECIALISE_PASSES if name != "cost")
 
 
 def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, spec: DeviceSpec, name: str,
@@ -195,12 +253,6 @@ def _smoke_run(generic: GenericRegion, example_inputs) -> None:
         generic.run(*[_zeros_like_layout(v) if isinstance(v, torch.Tensor) else v for v in example_inputs])
     except Exception as error:
         raise CompileError(f"the generic region fails on its example inputs: {type(error).__name__}: {error}") from error
-
-
-def _output_layouts(gm: torch.fx.GraphModule) -> tuple:
-    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    return tuple((tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else None
-                 for v in (o.meta.get("val") if isinstance(o, torch.fx.Node) else None for o in outputs))
 
 
 def _size_key(inputs) -> tuple:

@@ -81,7 +81,9 @@ class HbmRef:
         """SBUF the whole value takes per partition when held on chip: rows (of every batch)
         spread over the partitions, each partition holding whole rows."""
         *batch, rows, cols = self.rows_cols
-        return math.prod(batch) * -(-rows // partitions) * cols * _itemsize(self.dtype)
+        # ceil(rows / partitions) without negating: of a symbolic size, -(-rows // p) is a floor
+        # division of a negative expression, which sympy simplifies at length
+        return math.prod(batch) * ((rows + partitions - 1) // partitions) * cols * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,9 @@ class Launch:
     """
     name: str
     kernels: tuple[Kernel, ...]
-    resident: frozenset = frozenset()   # (region value, (rows, cols) layout) kept in SBUF in this launch
+    # (region value, (rows, cols) layout) kept in SBUF in this launch; a tuple while the layouts
+    # are symbolic (sizes.frozen), a frozenset once evaluated
+    resident: frozenset = frozenset()
     stored: frozenset = frozenset()     # names of resident values also written to HBM
     resident_bytes_per_partition: int = 0  # peak SBUF the resident values take, beside the kernels' tiles
 
