@@ -251,7 +251,8 @@ class Meter:
         s = tilewise.stats()
         per_region = [r.compile_seconds for r in s.regions.values() if r.compile_seconds > 0]
         return {"compiles": s.compiles, "compile_s": s.compile_seconds, "specialisations": s.specialisations,
-                "specialise_s": s.specialise_seconds, "cache_hits": s.cache_hits,
+                "specialise_s": s.specialise_seconds, "evaluated_sizes": s.evaluated_sizes,
+                "evaluate_s": s.evaluate_seconds, "cache_hits": s.cache_hits,
                 "cache_misses": s.cache_misses, "compiled_fraction": s.compiled_fraction,
                 "median_compile_ms_per_region": 1e3 * statistics.median(per_region) if per_region else None}
 

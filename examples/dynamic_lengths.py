@@ -3,7 +3,8 @@
 The forward and backward see a new sequence length each batch. Once the same ops have come at
 two lengths, the engine compiles them once for every length: the length becomes a symbolic size
 of one shape-generic region (compiled mode compiles the first length as it is, then generalises),
-and each new length only gets its tile programs made from it (`specialised` in the statistics).
+and each new length gets its tile programs by evaluating the region's parametric program
+(`evaluated` in the statistics; `specialised` counts those the compiler's passes made).
 The optimizer step, whose shapes never change, runs in the same region. The statistics say how
 many compiles each region site took (at most two) and what ran eagerly, and why.
 
