@@ -4,6 +4,7 @@ Each test injects an exception at one step of a flush (an eager node's replay, o
 region's run) and then reads every tensor the program holds: each equals what CPU computes.
 """
 import dis
+import signal
 import sys
 import threading
 
@@ -361,3 +362,48 @@ def test_a_keyboard_interrupt_as_any_call_of_an_ops_dispatch_returns_leaves_the_
 
     _bounded(every_offset)
     assert any(interrupted), "no interrupt was delivered: the test tested nothing"
+
+
+def _ctrl_c_at(code, offset: int, program) -> bool:
+    """Run `program`, sending a real SIGINT the first time `code` reaches `offset` (its handler
+    raises KeyboardInterrupt there, unless the engine defers it)."""
+    sent = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_lasti == offset and not sent:
+            sent.append(offset)
+            signal.raise_signal(signal.SIGINT)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        program()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(sent)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("function", [Runtime.flush, Runtime._flush], ids=["flush", "_flush"])
+def test_ctrl_c_as_any_call_of_a_flush_returns_loses_no_recorded_op(mode, function):
+    """Ctrl-C between taking the segment off the runtime and queueing it lost its nodes: the values
+    the program held read as unwritten memory, and no later flush ran."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    x_cpu = torch.randn(5)
+    want = _program(x_cpu)
+    sent = 0
+    for offset in _where_signals_surface(function.__code__):
+        with tilewise.engine(mode=mode):
+            held = _program(x_cpu.to("neuron"))
+            sent += _ctrl_c_at(function.__code__, offset, lambda: held[-1].sum().item())
+            got = [t.cpu() for t in held]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, msg=lambda m: f"Ctrl-C at offset {offset}: {m}")
+            torch.testing.assert_close(_program(x_cpu.to("neuron"))[-1].cpu(), want[-1])
+    assert sent >= 2, "the test sent no Ctrl-C"
+    assert tilewise.stats().compiles >= 1  # the later flushes compiled and ran the program's region

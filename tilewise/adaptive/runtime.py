@@ -237,24 +237,30 @@ class Runtime(GenericSites, StepRunner):
     # -- per flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
         with self.lock:
-            segment = self.segment
-            if self._flushing or not (segment.nodes or self.unfinished):
+            if self._flushing or not (self.segment.nodes or self.unfinished):
                 return
-            self.segment = Segment()
-            self._flushing = True
-            self._ending = reason == ENGINE_EXITED
-            started, clock = time.perf_counter(), DEVICE.timeline.clock
-            if segment.nodes:
-                self.stats.segments += 1
-                self.stats.flush_reasons[reason] += 1
-                self.unfinished.append(Unfinished(segment, None))
-            try:
-                with interrupts.deferred():
-                    self._drain()
-            finally:
-                self._flushing = False
-                DEVICE.lazy_pending = bool(self.unfinished)
-                events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
+            # Ctrl-C waits from before the segment leaves self.segment for the queue: arriving in
+            # between, it lost the segment's nodes (their outputs never written) and left
+            # _flushing set (no later flush ran).
+            with interrupts.deferred():
+                self._flush(reason)
+
+    def _flush(self, reason: str) -> None:
+        segment = self.segment
+        self.segment = Segment()
+        self._flushing = True
+        self._ending = reason == ENGINE_EXITED
+        started, clock = time.perf_counter(), DEVICE.timeline.clock
+        if segment.nodes:
+            self.stats.segments += 1
+            self.stats.flush_reasons[reason] += 1
+            self.unfinished.append(Unfinished(segment, None))
+        try:
+            self._drain()
+        finally:
+            self._flushing = False
+            DEVICE.lazy_pending = bool(self.unfinished)
+            events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
     def _drain(self) -> None:
         """Run the queued work in order. A flush is a transaction: an exception that stops it
