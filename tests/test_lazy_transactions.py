@@ -407,3 +407,38 @@ def test_ctrl_c_as_any_call_of_a_flush_returns_loses_no_recorded_op(mode, functi
             torch.testing.assert_close(_program(x_cpu.to("neuron"))[-1].cpu(), want[-1])
     assert sent >= 2, "the test sent no Ctrl-C"
     assert tilewise.stats().compiles >= 1  # the later flushes compiled and ran the program's region
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, TimeoutError])
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_step_run_once(monkeypatch, mode, error):
+    """A timer's handler (signal.setitimer, a timeout) that raises as a step of a flush returns: the
+    flush went on from that step again, so an in-place update ran twice. Now every signal with a
+    Python handler waits for the flush, as SIGINT does."""
+    x_cpu = torch.randn(5)
+    want = x_cpu * 2 + 1
+    original, sent = Runtime._run_step, []
+
+    def step_then_signal(runtime, segment, step):
+        original(runtime, segment, step)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGALRM)  # its handler raises as the step returns
+
+    def handler(signum, frame):
+        raise error("timer")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with tilewise.engine(mode=mode):
+            w = x_cpu.to("neuron")
+            w.mul_(2).add_(1)
+            monkeypatch.setattr(Runtime, "_run_step", step_then_signal)
+            with pytest.raises(error):
+                w.sum().item()
+            monkeypatch.undo()
+            got = w.cpu()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert sent
+    torch.testing.assert_close(got, want)
