@@ -3,11 +3,20 @@
 Each test injects an exception at one step of a flush (an eager node's replay, or a compiled
 region's run) and then reads every tensor the program holds: each equals what CPU computes.
 """
+import dis
+import signal
+import sys
+import threading
+
 import pytest
 import torch
 
 import tilewise
 from tilewise.adaptive import regions as regions_module
+from tilewise.adaptive.engine import RUNTIME
+from tilewise.adaptive.runtime import Runtime
+from tilewise.device.hbm import HBM
+from tilewise.device.timeline import Timeline
 from tilewise.adaptive.regions import CompiledEntry
 
 
@@ -243,3 +252,193 @@ def test_a_guard_miss_after_stats_reset_counts_and_recomputes():
         torch.testing.assert_close(total.cpu(), ((x_cpu * 2) + 1).sum())
         torch.testing.assert_close(kept.cpu(), x_cpu * 2)
     assert sum(tilewise.stats().guard_misses.values()) == 1, tilewise.stats().report()
+
+
+# ---- a KeyboardInterrupt from a signal handler, as an op is being dispatched -------------------
+
+def _where_signals_surface(code) -> list[int]:
+    """Offsets of `code` where a signal handler's exception can surface: CPython 3.11 runs pending
+    handlers as a call returns, so just after each CALL. A trace hook fires before an instruction,
+    so it stands for that point only where the next instruction has the same exception handler as
+    the call (not where `return f()` inside `with` unwinds: there the call's own handler applies)."""
+    bytecode = dis.Bytecode(code)
+
+    def handler(offset):
+        return next(((e.start, e.end, e.target) for e in bytecode.exception_entries if e.start <= offset < e.end), None)
+
+    instructions = list(bytecode)
+    return [after.offset for call, after in zip(instructions, instructions[1:])
+            if call.opname == "CALL" and handler(call.offset) == handler(after.offset)]
+
+
+def _interrupt_at(code, offset: int, program) -> bool:
+    """Run `program`, raising KeyboardInterrupt the first time `code` reaches `offset`."""
+    fired = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_lasti == offset and not fired:
+            fired.append(offset)
+            raise KeyboardInterrupt
+        return trace
+
+    sys.settrace(trace)
+    try:
+        program()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(fired)
+
+
+def _dispatch_program(device):
+    x = torch.arange(16.0, device=device).reshape(4, 4) / 10
+    y = (x @ x + 1).relu()
+    return [y, y.sum(0) * 2]
+
+
+def _release_held_locks() -> list[str]:
+    """The engine's locks this thread left held, released (so that a failure fails, not hangs)."""
+    held = []
+    for name, lock in (("hbm", tilewise.DEVICE.hbm._lock), ("timeline", tilewise.DEVICE.timeline._lock)):
+        if lock.locked():
+            held.append(name)
+            lock.release()
+    while RUNTIME.lock._is_owned():
+        held.append("runtime")
+        RUNTIME.lock.release()
+    return held
+
+
+def _bounded(work, seconds: float = 120) -> None:
+    """Run `work` on a thread of its own; a hang (a lock left held) fails the test instead."""
+    errors = []
+
+    def target():
+        try:
+            work()
+        except BaseException as error:  # re-raised by the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        held = _release_held_locks()  # plain locks: any thread may release them, so the worker ends
+        thread.join(seconds)
+        pytest.fail(f"the program hung ({held} lock held)")
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("mode, function", [
+    (mode, function) for function in (HBM.track, Timeline.record) for mode in ("eager", "adaptive", "compiled")
+] + [(mode, function) for function in (Runtime.dispatch, Runtime._record) for mode in ("adaptive", "compiled")])
+def test_a_keyboard_interrupt_as_any_call_of_an_ops_dispatch_returns_leaves_the_engine_working(mode, function):
+    """A signal handler that raises KeyboardInterrupt (Ctrl-C, a timer) stops an op wherever a call
+    returns: no lock may stay held (the next op hung) and no recorded op may be left unplannable
+    (every later flush failed); the program goes on and computes what CPU computes."""
+    code = function.__code__
+    want = _dispatch_program("cpu")
+    interrupted = []
+
+    def step():
+        with tilewise.engine(mode=mode):
+            for value in _dispatch_program("neuron"):
+                value.cpu()
+
+    def every_offset():
+        for offset in _where_signals_surface(code):
+            interrupted.append(_interrupt_at(code, offset, step))
+            held = _release_held_locks()
+            assert not held, f"an interrupt at offset {offset} left the {held} lock held"
+            with tilewise.engine(mode=mode):
+                got = [value.cpu() for value in _dispatch_program("neuron")]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+
+    _bounded(every_offset)
+    assert any(interrupted), "no interrupt was delivered: the test tested nothing"
+
+
+def _ctrl_c_at(code, offset: int, program) -> bool:
+    """Run `program`, sending a real SIGINT the first time `code` reaches `offset` (its handler
+    raises KeyboardInterrupt there, unless the engine defers it)."""
+    sent = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_lasti == offset and not sent:
+            sent.append(offset)
+            signal.raise_signal(signal.SIGINT)
+        return trace
+
+    sys.settrace(trace)
+    try:
+        program()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return bool(sent)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("function", [Runtime.flush, Runtime._flush], ids=["flush", "_flush"])
+def test_ctrl_c_as_any_call_of_a_flush_returns_loses_no_recorded_op(mode, function):
+    """Ctrl-C between taking the segment off the runtime and queueing it lost its nodes: the values
+    the program held read as unwritten memory, and no later flush ran."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    x_cpu = torch.randn(5)
+    want = _program(x_cpu)
+    sent = 0
+    for offset in _where_signals_surface(function.__code__):
+        with tilewise.engine(mode=mode):
+            held = _program(x_cpu.to("neuron"))
+            sent += _ctrl_c_at(function.__code__, offset, lambda: held[-1].sum().item())
+            got = [t.cpu() for t in held]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, msg=lambda m: f"Ctrl-C at offset {offset}: {m}")
+            torch.testing.assert_close(_program(x_cpu.to("neuron"))[-1].cpu(), want[-1])
+    assert sent >= 2, "the test sent no Ctrl-C"
+    assert tilewise.stats().compiles >= 1  # the later flushes compiled and ran the program's region
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, TimeoutError])
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_step_run_once(monkeypatch, mode, error):
+    """A timer's handler (signal.setitimer, a timeout) that raises as a step of a flush returns: the
+    flush went on from that step again, so an in-place update ran twice. Now every signal with a
+    Python handler waits for the flush, as SIGINT does."""
+    x_cpu = torch.randn(5)
+    want = x_cpu * 2 + 1
+    original, sent = Runtime._run_step, []
+
+    def step_then_signal(runtime, segment, step):
+        original(runtime, segment, step)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGALRM)  # its handler raises as the step returns
+
+    def handler(signum, frame):
+        raise error("timer")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with tilewise.engine(mode=mode):
+            w = x_cpu.to("neuron")
+            w.mul_(2).add_(1)
+            monkeypatch.setattr(Runtime, "_run_step", step_then_signal)
+            with pytest.raises(error):
+                w.sum().item()
+            monkeypatch.undo()
+            got = w.cpu()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert sent
+    torch.testing.assert_close(got, want)

@@ -122,9 +122,7 @@ class Runtime(GenericSites, StepRunner):
         info = self._op_info.get(id(func))  # _info, inline: this runs for every op
         if info is None or info.func is not func or info.lift is not None:
             func, args, info = self._lifted(func, args)
-        lock = self.lock
-        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
-        try:
+        with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
             if settings is not self.segment.settings and self.segment.nodes:
                 self.flush(SETTINGS_CHANGE)  # a segment is planned with one engine block's settings
@@ -137,24 +135,19 @@ class Runtime(GenericSites, StepRunner):
             if reason is None:
                 try:
                     try:
-                        result = self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+                        result = self._record(func, args, kwargs, settings)
                     except OtherCore:
-                        result = self._record_on_its_core(func, args, kwargs)
+                        result = self._record_on_its_core(func, args, kwargs, settings)
                 except Unrecordable as why:
                     reason = why.reason
                 else:
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
                         DEVICE.lazy_pending = True
-                    segment = self.segment
-                    if segment.settings is None:  # its first op (or the first after a flush under way)
-                        segment.settings = settings
-                    if len(segment.nodes) >= settings.max_segment_ops:
+                    if len(self.segment.nodes) >= settings.max_segment_ops:
                         self.flush("segment size bound")
                     return result
             return self._eagerly(func, args, kwargs, reason)
-        finally:
-            lock.release()
 
     def _lifted(self, func, args) -> tuple:
         """The op, its arguments and its OpInfo, with a list of floats lifted to CPU tensors where
@@ -173,13 +166,22 @@ class Runtime(GenericSites, StepRunner):
                                                     scalars.SCALAR_LISTS.get(func))
         return info
 
-    def _record_on_its_core(self, func, args, kwargs):
+    def _record(self, func, args, kwargs, settings: Settings):
+        """Record the op into the segment. An empty segment takes the block's settings first, not
+        after: a KeyboardInterrupt that a signal handler raises as record() returns would leave a
+        recorded op in a segment without settings, which no flush could plan."""
+        segment = self.segment
+        if not segment.nodes:
+            segment.settings = settings
+        return segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+
+    def _record_on_its_core(self, func, args, kwargs, settings: Settings):
         """An input is on another core than the segment's: move the segment there (flushing it)
         and record the op, or make it eager, as _enter_core decides."""
         reason = self._enter_core(args, kwargs)
         if reason is not None:
             raise Unrecordable(reason)
-        return self.segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
+        return self._record(func, args, kwargs, settings)
 
     def _eagerly(self, func, args, kwargs, reason: Reason):
         """Run an op the segment cannot take now, after flushing what was recorded before it."""
@@ -241,24 +243,30 @@ class Runtime(GenericSites, StepRunner):
     # -- per flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
         with self.lock:
-            segment = self.segment
-            if self._flushing or not (segment.nodes or self.unfinished):
+            if self._flushing or not (self.segment.nodes or self.unfinished):
                 return
-            self.segment = Segment()
-            self._flushing = True
-            self._ending = reason == ENGINE_EXITED
-            started, clock = time.perf_counter(), DEVICE.timeline.clock
-            if segment.nodes:
-                self.stats.segments += 1
-                self.stats.flush_reasons[reason] += 1
-                self.unfinished.append(Unfinished(segment, None))
-            try:
-                with interrupts.deferred():
-                    self._drain()
-            finally:
-                self._flushing = False
-                DEVICE.lazy_pending = bool(self.unfinished)
-                events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
+            # Ctrl-C waits from before the segment leaves self.segment for the queue: arriving in
+            # between, it lost the segment's nodes (their outputs never written) and left
+            # _flushing set (no later flush ran).
+            with interrupts.deferred():
+                self._flush(reason)
+
+    def _flush(self, reason: str) -> None:
+        segment = self.segment
+        self.segment = Segment()
+        self._flushing = True
+        self._ending = reason == ENGINE_EXITED
+        started, clock = time.perf_counter(), DEVICE.timeline.clock
+        if segment.nodes:
+            self.stats.segments += 1
+            self.stats.flush_reasons[reason] += 1
+            self.unfinished.append(Unfinished(segment, None))
+        try:
+            self._drain()
+        finally:
+            self._flushing = False
+            DEVICE.lazy_pending = bool(self.unfinished)
+            events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
     def _drain(self) -> None:
         """Run the queued work in order. A flush is a transaction: an exception that stops it

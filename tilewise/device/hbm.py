@@ -67,9 +67,9 @@ class HBM:
         if ref is not None and ref() is storage:
             return
         nbytes = storage.nbytes()
-        lock = self._lock
-        lock.acquire()  # (not `with`: its special-method lookups cost as much again)
-        try:
+        # `with`, not acquire() then try: a KeyboardInterrupt that a signal handler raises as
+        # acquire() returns would otherwise leave the lock held and hang the next op.
+        with self._lock:
             ref = live.get(key)
             if ref is not None:
                 if ref() is storage:  # another thread (autograd's) counted it meanwhile
@@ -89,8 +89,6 @@ class HBM:
             live[key] = ref
             self._in_use = in_use
             self.allocations += 1
-        finally:
-            lock.release()
 
     def holds(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` (a host storage) is counted, i.e. is the buffer of a device tensor."""

@@ -61,17 +61,13 @@ class Timeline:
 
     def record(self, name: str, engine: str, duration: float, hbm_bytes: int, flops: int,
                region: str | None = None) -> None:
-        lock = self._lock
-        lock.acquire()  # (not `with`: its special-method lookups cost as much again, per op)
-        try:
+        with self._lock:  # not acquire() then try: see HBM.track
             # tuple.__new__ skips the NamedTuple's Python-level __new__: one kernel is made per op.
             self.events.append(_new_tuple(Kernel, (name, engine, self.clock, duration, hbm_bytes, flops, region)))
             self.clock += duration
             self.kernels += 1
             self.hbm_bytes += hbm_bytes
             self.flops += flops
-        finally:
-            lock.release()
 
     def host(self, lane: str, name: str, start: float, duration: float, **args) -> None:
         """Record a span of host work (a lane of HOST_LANES) that started at perf_counter() `start`."""
