@@ -1,7 +1,7 @@
 """The TorchDispatchMode that sees every aten op inside `tilewise.engine()`.
 
 Ops on host tensors pass straight through; ops on device tensors (or creating them) go to the
-runtime. The autograd engine runs backward on its own thread with this mode propagated.
+runtime. Backward runs on the calling thread (tilewise.device.backend.backward_on_calling_thread).
 """
 from __future__ import annotations
 

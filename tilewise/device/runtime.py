@@ -60,12 +60,6 @@ class Device:
         # As torch.cuda's current device: per host thread, 0 until set_device.
         self._current = threading.local()
 
-    @property
-    def beyond_first_core(self) -> bool:
-        """Whether a core other than neuron:0 holds memory now: backward then runs on the calling
-        thread (tilewise.device.backend.backward_on_calling_thread says why)."""
-        return any(core.hbm.in_use for core in self.cores[1:])
-
     # neuron:0, the core of a process that names no other: what single-core code reads.
     @property
     def hbm(self) -> HBM:
