@@ -271,8 +271,9 @@ def _where_signals_surface(code) -> list[int]:
             if call.opname == "CALL" and handler(call.offset) == handler(after.offset)]
 
 
-def _interrupt_at(code, offset: int, program) -> bool:
-    """Run `program`, raising KeyboardInterrupt the first time `code` reaches `offset`."""
+def _interrupt_at(code, offset: int, program, interrupt=None) -> bool:
+    """Run `program`, interrupting it the first time `code` reaches `offset`: by raising
+    KeyboardInterrupt there, or by calling `interrupt` (a real signal, say)."""
     fired = []
 
     def trace(frame, event, arg):
@@ -281,7 +282,9 @@ def _interrupt_at(code, offset: int, program) -> bool:
         frame.f_trace_opcodes = True
         if event == "opcode" and frame.f_lasti == offset and not fired:
             fired.append(offset)
-            raise KeyboardInterrupt
+            if interrupt is None:
+                raise KeyboardInterrupt
+            interrupt()
         return trace
 
     sys.settrace(trace)
@@ -367,25 +370,7 @@ def test_a_keyboard_interrupt_as_any_call_of_an_ops_dispatch_returns_leaves_the_
 def _ctrl_c_at(code, offset: int, program) -> bool:
     """Run `program`, sending a real SIGINT the first time `code` reaches `offset` (its handler
     raises KeyboardInterrupt there, unless the engine defers it)."""
-    sent = []
-
-    def trace(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-        frame.f_trace_opcodes = True
-        if event == "opcode" and frame.f_lasti == offset and not sent:
-            sent.append(offset)
-            signal.raise_signal(signal.SIGINT)
-        return trace
-
-    sys.settrace(trace)
-    try:
-        program()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.settrace(None)
-    return bool(sent)
+    return _interrupt_at(code, offset, program, lambda: signal.raise_signal(signal.SIGINT))
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])
