@@ -27,13 +27,14 @@ from ..eager.plan import is_random, plan_of
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import (CompiledEntry, Region, RegionStep, alias_signature, build_graph, describe,
+from .regions import (CompiledEntry, Region, RegionStep, build_graph, describe,
                       mixes_dtypes_on_shared_storage, needed_values)
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
                      runs_now, stable_after)
 from .generic import GenericSites
+from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
-from .segment import VIEW, OtherCore, Segment, Unrecordable, without_floats
+from .segment import VIEW, OtherCore, Segment, Unrecordable
 from .stats import Stats
 
 aten = torch.ops.aten
@@ -44,12 +45,6 @@ SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
 
 
-class Plan(NamedTuple):
-    """A segment's cached plan and the node signatures it was made for."""
-    steps: list
-    sigs: tuple
-
-
 class OpInfo(NamedTuple):
     """What dispatch needs to know of an op, read once."""
     func: object
@@ -58,7 +53,7 @@ class OpInfo(NamedTuple):
     lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
 
 
-class Runtime(GenericSites, StepRunner):
+class Runtime(GenericSites, CachedPlans, StepRunner):
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -86,7 +81,7 @@ class Runtime(GenericSites, StepRunner):
         self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
         self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
         self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
-        self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> Plan
+        self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> plans.Plan
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
@@ -297,56 +292,6 @@ class Runtime(GenericSites, StepRunner):
             raise
         self._run_steps(segment, steps)
 
-    def _steps_for(self, segment: Segment) -> list:
-        """The segment's plan: cached (guards checked) or made now."""
-        locals_ = tuple([n.sig for n in segment.nodes])
-        # Which external each node reads: `local` says only what its inputs look like, so
-        # sub(x1, x1) and sub(x0, x1) on equal-looking inputs would share a plan.
-        alias = (alias_signature(segment.externals), tuple([tuple(n.ext) for n in segment.nodes]))
-        # Keyed by the fingerprints hashed at record time: hashing the signatures again (an op
-        # hashes in Python) cost milliseconds a flush on TinyGPT's step. Equal signatures give
-        # equal fingerprints; a plan serves only the signatures it was made for.
-        plan_key = (tuple([n.fp for n in segment.nodes]), alias)
-        plan = self.plans.get(plan_key)
-        cache, key = self.plans, plan_key
-        steps = plan.steps if plan is not None and plan.sigs == locals_ else None
-        if steps is None:
-            key = (tuple(without_floats(n.sig) if n.floats else n.sig for n in segment.nodes), alias)
-            cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
-        if steps is not None:
-            missed = self._guard_miss(segment, steps)
-            if missed is None:
-                cache.touch(key)
-                dynamic = cache is self.dynamic_plans
-                if dynamic:
-                    self._count_dynamic_steps(segment, steps)
-                if self.events.wants(events.SegmentRan):
-                    self.events.publish(events.replay_event(self.stats.segments, segment, steps, dynamic))
-                return steps
-            self._forget(cache, key, segment, steps, missed)
-            return every_node(segment)
-        steps, final, reusable = self._plan(segment)
-        if final:
-            self.plans.put(plan_key, Plan(steps, locals_))
-        elif reusable:
-            # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
-            # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
-            members = tuple(n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes)
-            self.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
-        return steps
-
-    def _dynamic_plan(self, key, locals_):
-        cached = self.dynamic_plans.get(key)
-        if cached is None:
-            return None
-        steps, members, member_locals = cached
-        return steps if tuple(locals_[n] for n in members) == member_locals else None
-
-    def _count_dynamic_steps(self, segment: Segment, steps) -> None:
-        for step in steps:
-            if isinstance(step, NodeStep):
-                self._count_dynamic(segment.nodes[step.index], True)
-
     def _plan(self, segment: Segment):
         nodes, mode = segment.nodes, segment.settings.mode
         self.stats.analyses += 1
@@ -476,28 +421,6 @@ class Runtime(GenericSites, StepRunner):
         a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
         dispatch state breaks that tracing. A thread of its own starts from clean state."""
         return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
-
-    def _guard_miss(self, segment: Segment, steps) -> str | None:
-        for step in steps:
-            if isinstance(step, RegionStep):
-                for n, o in step.region.hidden:
-                    if segment.nodes[n].wrappers[o]() is not None:
-                        return "an intermediate the kernel keeps on chip is still referenced"
-        return None
-
-    def _forget(self, cache, key, segment: Segment, steps, reason: str) -> None:
-        """A guard missed: run eagerly this time and let the regions warm up again."""
-        del cache[key]
-        self.stats.guard_misses[reason] += 1
-        for step in steps:
-            if isinstance(step, RegionStep):
-                region, entry = step.region, step.entry
-                self.regions.pop(region.key, None)
-                detail = self.stats.regions.get(entry.name)  # gone after a stats().reset()
-                if detail is not None:
-                    detail.misses += 1
-                for n in region.nodes:
-                    self.seen.pop(segment.nodes[n].fp, None)
 
 
 def _flat(values):
