@@ -96,15 +96,34 @@ def test_max_reductions_and_transcendentals_match_within_tolerance(fn):
     check(fn, [x], exact=False, kernels=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("width", [1, 5, 8, 96, 1000, 1027])
+def test_float_sums_and_means_add_in_cpus_order_bitwise(width, dtype):
+    """CPU adds a float row in its own cascade (vector lanes, four accumulators, four levels); the C
+    adds in that order, so sums and means fused with arithmetic are bitwise CPU's at every width
+    (shorter than a vector, a vector, with a tail, past a cascade level)."""
+    x = (torch.randn(37, width, dtype=dtype) * 1e3 + 0.3)
+    check(lambda x: ((x * 1.5).sum(-1, keepdim=True) - x, (x + 1).mean(-1), x.sum(-1) / 3), [x],
+          exact=True, kernels=1)
+
+
+def test_softmax_and_a_normalisation_run_in_c_within_tolerance():
+    """Their exp and sqrt are libm's; their sums are CPU's order: within the dtype's tolerance."""
+    x = torch.randn(200, 96)
+    check(lambda x: torch.softmax(x, -1), [x], exact=False, kernels=1)
+    check(lambda x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(((x - x.mean(-1, keepdim=True)) ** 2)
+                                                                .mean(-1, keepdim=True) + 1e-5), [x], exact=False,
+          kernels=1)
+
+
 @pytest.mark.parametrize("fn", [
-    lambda x: torch.softmax(x, -1),
     lambda x: F.layer_norm(x, x.shape[-1:]),
     lambda x: x.var(-1, keepdim=True) + x.mean(-1, keepdim=True),
-    lambda x: x.sum(-1) * 2,
-], ids=["softmax", "layer_norm", "var_mean", "sum"])
-def test_float_sums_keep_cpus_kernel_and_its_rounding(fn):
-    """CPU sums a float row in its own order: C in any other would be an ulp off a deterministic
-    result, so such kernels stay on PyTorch, with the reason shown, and equal CPU bitwise."""
+    lambda x: x.prod(-1) * 2,
+], ids=["layer_norm", "var_mean", "prod"])
+def test_float_variances_and_products_keep_cpus_kernel_and_its_rounding(fn):
+    """CPU computes a float variance (Welford) or product in an order the C does not reproduce: such
+    kernels stay on PyTorch, with the reason shown, and equal CPU bitwise."""
     x = torch.randn(200, 96)
     compiled = compile_graph(make_fx(fn)(x.clone()), [x.clone()], spec=TRN2)
     assert any(r.reason is NativeReason.SUMMATION_ORDER for r in compiled.native.refused), str(compiled.native)
@@ -112,7 +131,7 @@ def test_float_sums_keep_cpus_kernel_and_its_rounding(fn):
     assert compiled.host_tier is Tier.TORCH  # the recorded graph: CPU's own kernels
     assert torch.equal(compiled.run(x.clone())[0], fn(x))
     compiled.start_native()
-    # with C around the sums, it rounds as the decomposed graph on PyTorch does; without, CPU's kernels run
+    # with C around them, it rounds as the decomposed graph on PyTorch does; without, CPU's kernels run
     reference = compiled.run_torch if compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE else fn
     for _ in range(3):
         assert torch.equal(compiled.run(x.clone())[0], reference(x.clone())[0] if reference is not fn else fn(x))
@@ -311,7 +330,7 @@ def test_native_library_is_kept_on_disk_authenticated_and_a_tampered_one_is_neve
 NATIVE_OPS = ("add", "mul", "div.no_rounding_mode", "sub", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu",
               "nn.functional.relu", "pow", "var", "softmax", "log_softmax", "nn.functional.layer_norm", "cat",
               "stack", "nn.functional.embedding", "index_put", "nn.functional.cross_entropy", "nn.functional.mse_loss",
-              "masked_fill", "full")
+              "masked_fill", "full", "sum", "mean", "nn.functional.normalize")
 
 
 def _opinfo_cases():

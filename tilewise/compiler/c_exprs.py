@@ -40,7 +40,7 @@ class NativeReason(enum.Enum):
     LAYOUT = "layout"              # a tile axis or HBM view the emitter does not index
     MATMUL_ON_BLAS = "matmul_on_blas"  # matmul kernels run PyTorch's mm (faster than the C loop)
     EMITTER_ERROR = "emitter_error"    # the emitter failed on the kernel (a bug, shown where the region prints)
-    SUMMATION_ORDER = "summation_order"  # a float sum, mean, var or prod: CPU's own order rounds otherwise
+    SUMMATION_ORDER = "summation_order"  # a float var or prod (or a sum where CPU's order is not known): CPU's own order rounds otherwise
 
 
 class Unsupported(Exception):
@@ -168,10 +168,9 @@ static inline int64_t tw_remainder_i(int64_t a, int64_t b) {
 
 
 LANES = 16  # partial results of a row reduction: wide enough for two AVX-512 vectors of float
+# How a row reduction folds an element into its accumulator (float sums and means: `c_cascade`).
 COMBINE = {"sum": "acc += x", "mean": "acc += x", "prod": "acc *= x", "amax": "acc = TW_MAX(acc, x)",
            "amin": "acc = TW_MINV(acc, x)", "var": "acc += x"}
-# How two lanes combine when that differs from folding an element in (a sum of squares adds lanes).
-COMBINE_LANES = {"acc += (x - mean) * (x - mean)": "acc += x"}
 
 
 class Scalar(str):

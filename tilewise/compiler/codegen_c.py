@@ -8,8 +8,9 @@ buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). Element-w
 PyTorch's CPU semantics: scalars are cast to the op's dtype first, NaN propagates through max, min
 and relu, integers wrap (`-fwrapv`), and no multiply-add is contracted (`-ffp-contract=off`), so
 add, sub, mul and div are bitwise PyTorch's; the op expressions are in `c_exprs`. Transcendentals
-(libm) agree within the dtype's tolerance; max/min reductions are exact, and float sums, means,
-variances and products are not written in C at all (CPU's summation order would not be kept).
+(libm) agree within the dtype's tolerance; max/min reductions are exact; float sums and means add in
+CPU's own order (`c_cascade`), so they too are bitwise CPU's; float variances and products are not
+written in C at all (CPU's order would not be kept).
 
 A kernel the emitter cannot express raises `Unsupported` with a typed reason; the caller keeps the
 PyTorch executable for it.
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .c_exprs import (CASTS, COMBINE, COMBINE_LANES, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
+from .c_exprs import (CASTS, COMBINE, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
                       INTEGER_UNSAFE, LANES, LOGICAL, NativeReason, OUT, PRELUDE,
                       PSUM_TYPE, REMAINDER_HELPERS, Scalar, Unsupported, bind, c_type,
                       cast, compute_dtype, is_tile, literal, op_name)
+from . import c_cascade
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
 
@@ -271,36 +273,44 @@ class KernelWriter:
         return f"({condition} ? {self.operand(a, op, op.dtype)} : {self.operand(b, op, op.dtype)})"
 
     def op_reduce(self, op: TileOp) -> None:
-        """A row reduction over LANES independent partial results (vectorised without reassociating
-        anything the compiler may not), combined in order; floats accumulate in double."""
+        """A row reduction: a float sum or mean in CPU's own order (`cascade_sum`), anything else
+        exact in any order (max, min, integers) over LANES independent partial results, which
+        vectorise, combined in order."""
         target, args, kwargs = op.arg
-        name, bound = op_name(target), bind(target, args, kwargs)
+        name = op_name(target)
         if name not in COMBINE:
             raise Unsupported(NativeReason.OP, f"reduction {target} has no C translation")
-        if op.dtype.is_floating_point and name not in ("amax", "amin"):
-            # CPU reduces a float row in its own cascade of float partial sums; any other order (these
-            # lanes, double accumulation) is an ulp off where CPU's result is deterministic
-            raise Unsupported(NativeReason.SUMMATION_ORDER, f"float {name} keeps CPU's kernel")
         src = op.srcs[0]
+        if op.dtype.is_floating_point and name in ("sum", "mean"):
+            return self.cascade_sum(op, src, name)
+        if op.dtype.is_floating_point and name not in ("amax", "amin"):
+            # CPU computes a float var or prod in an order of its own (Welford, vector lanes) this C
+            # does not reproduce: an ulp off where CPU's result is deterministic
+            raise Unsupported(NativeReason.SUMMATION_ORDER, f"float {name} keeps CPU's kernel")
         out_type = c_type(op.dtype)
-        accumulate = out_type if name in ("amax", "amin") or not op.dtype.is_floating_point else "double"
         x = cast("row[f]", src.dtype, op.dtype)
         self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
         self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
         self.emit(f"  const {c_type(src.dtype)} *row = &{self.buffer(src)}[p * {src.shape[1][1]}];")
-        if name == "var":
-            correction = bound.get("correction")
-            self.lanes("mean", "double", "acc += x", x, "0")
-            self.emit("  mean /= n;")
-            self.lanes("acc", "double", "acc += (x - mean) * (x - mean)", x, "0")
-            final = f"acc / TW_MAX(0.0, n - {float(1 if correction is None else correction)!r})"
-        else:
-            # amax/amin start from the first element, so NaN and -inf rows come out as they are
-            start = "(n > 0 ? " + x.replace("row[f]", "row[0]") + " : 0)" if name in ("amax", "amin") else \
-                "1" if name == "prod" else "0"
-            self.lanes("acc", accumulate, COMBINE[name], x, start)
-            final = "acc / n" if name == "mean" else "acc"
-        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = ({out_type})({final});")
+        # amax/amin start from the first element, so NaN and -inf rows come out as they are
+        start = "(n > 0 ? " + x.replace("row[f]", "row[0]") + " : 0)" if name in ("amax", "amin") else \
+            "1" if name == "prod" else "0"
+        self.lanes("acc", out_type, COMBINE[name], x, start)
+        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = acc;")
+        self.emit("}")
+
+    def cascade_sum(self, op: TileOp, src: TileOp, name: str) -> None:
+        """A float row's sum or mean in CPU's own order (`c_cascade`): bitwise what CPU's kernel (and
+        the interpreter, which runs it on the tile) computes; a mean is that sum divided by n."""
+        if src.dtype != op.dtype or op.dtype not in c_cascade.CASCADE_DTYPES or c_cascade.vector_bytes() is None:
+            raise Unsupported(NativeReason.SUMMATION_ORDER,
+                              f"float {name} of {src.dtype} into {op.dtype} on this CPU keeps CPU's kernel")
+        ctype = c_type(op.dtype)
+        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
+        self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
+        self.emit(f"  const {ctype} sum = {c_cascade.function(op.dtype)}(&{self.buffer(src)}[p * {src.shape[1][1]}], n);")
+        value = f"sum / ({ctype})n" if name == "mean" else "sum"
+        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = {value};")
         self.emit("}")
 
     def lanes(self, result: str, ctype: str, combine: str, x: str, start: str) -> None:
@@ -312,7 +322,7 @@ class KernelWriter:
         self.emit(f"  for (; f + {LANES} <= n; f += {LANES}) for (int j = 0; j < {LANES}; j++) "
                   f"{{ const {ctype} x = {x.replace('row[f]', 'row[f + j]')}; {fold}; }}")
         self.emit(f"  for (int j = 0; j < {LANES}; j++) {{ const {ctype} x = lane[j]; "
-                  f"{COMBINE_LANES.get(combine, combine).replace('acc', result)}; }}")
+                  f"{combine.replace('acc', result)}; }}")
         self.emit(f"  for (; f < n; f++) {{ const {ctype} x = {x}; {combine.replace('acc', result)}; }} }}")
 
     def op_broadcast(self, op: TileOp) -> None:
@@ -399,4 +409,4 @@ def kernel_c(kernel: Kernel, symbol: str) -> CKernel:
 
 
 def translation_unit(kernels: list[CKernel]) -> str:
-    return "\n".join([PRELUDE, REMAINDER_HELPERS] + [k.source + "\n" for k in kernels])
+    return "\n".join([PRELUDE, REMAINDER_HELPERS, c_cascade.helpers()] + [k.source + "\n" for k in kernels])
