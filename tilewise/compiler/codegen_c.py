@@ -66,6 +66,8 @@ class KernelWriter:
         self.depth = 1
         # tiles that index the rows of an indirect accumulating store (after remainder by the row count)
         self.store_indices = {id(op.srcs[1]) for op in kernel.body if op.op is Ops.STORE and len(op.srcs) == 2}
+        self.pending: tuple[str, int, list[str]] | None = None  # the partition loop being filled
+        self.fuse = fuses_partitions(kernel)
 
     # -- names and extents
     def var(self, name: str | None) -> str:
@@ -103,14 +105,35 @@ class KernelWriter:
         return f"{self.buffer(op)}[{row} * {pitch} + {col}]"
 
     def emit(self, text: str) -> None:
+        self.flush()
         self.lines.append("  " * self.depth + text)
+
+    def partition_loop(self, count: str, body: list[str]) -> None:
+        """`for p < count: body`. Consecutive ones over the same partitions become one loop, each
+        statement a block of its own: an instruction reads and writes only its partition's rows, so
+        partition p runs the instructions in program order on rows that stay in L1, instead of every
+        instruction streaming a whole tile (128 x 1024 floats is 512 KB) through the cache."""
+        block = ["{", *(f"  {line}" for line in body), "}"]
+        if self.fuse and self.pending is not None and self.pending[:2] == (count, self.depth):
+            self.pending[2].extend(block)
+            return
+        self.flush()
+        self.pending = (count, self.depth, block)
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        (count, depth, body), self.pending = self.pending, None
+        indent = "  " * depth
+        self.lines.append(f"{indent}for (int64_t p = 0; p < {count}; p++) {{")
+        self.lines.extend(f"{indent}  {line}" for line in body)
+        self.lines.append(f"{indent}}}")
 
     def tile_loop(self, op: TileOp, body: str) -> None:
         """for p, f over `op`'s valid extent: body (which writes `out`)."""
         pitch = op.shape[1][1]
-        self.emit(f"for (int64_t p = 0; p < {self.count(op.shape[0])}; p++) "
-                  f"for (int64_t f = 0; f < {self.count(op.shape[1])}; f++) "
-                  f"{self.buffer(op)}[p * {pitch} + f] = {body};")
+        self.partition_loop(self.count(op.shape[0]), [f"for (int64_t f = 0; f < {self.count(op.shape[1])}; f++) "
+                                                      f"{self.buffer(op)}[p * {pitch} + f] = {body};"])
 
     def hbm_index(self, arg: HbmArg, row: str, col: str, tile: TileOp) -> str:
         strides = arg.strides
@@ -127,6 +150,7 @@ class KernelWriter:
     def write(self) -> str:
         for op in self.kernel.body:
             getattr(self, f"op_{op.op.value}")(op)
+        self.flush()
         params = ", ".join([f"int64_t {a.hbm}_addr" for a in self.args.values()])
         pointers = [f"  {'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *{a.hbm} = "
                     f"({'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
@@ -172,16 +196,15 @@ class KernelWriter:
         value = f"{self.buffer(src)}[p * {src.shape[1][1]} + f]"
         col = f"{self.start(src.shape[1])} + f"
         loops = f"for (int64_t f = 0; f < {self.count(src.shape[1])}; f++) "
-        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
         if len(op.srcs) == 2:  # indirect accumulate: duplicates add up, in partition order
             rows = arg.ref.rows_cols[-2]
-            self.emit(f"  const int64_t row = (int64_t){self.element(op.srcs[1], op.srcs[1])};")
-            self.emit(f"  if (row < 0 || row >= {rows}) return 1;")
-            self.emit(f"  {loops}{op.arg}[{self.hbm_index(arg, 'row', col, src)}] += {value};")
+            body = [f"const int64_t row = (int64_t){self.element(op.srcs[1], op.srcs[1])};",
+                    f"if (row < 0 || row >= {rows}) return 1;",
+                    f"{loops}{op.arg}[{self.hbm_index(arg, 'row', col, src)}] += {value};"]
         else:
             row = f"{self.start(src.shape[0])} + p"
-            self.emit(f"  {loops}{op.arg}[{self.hbm_index(arg, row, col, src)}] = {value};")
-        self.emit("}")
+            body = [f"{loops}{op.arg}[{self.hbm_index(arg, row, col, src)}] = {value};"]
+        self.partition_loop(self.count(src.shape[0]), body)
 
     def op_alu(self, op: TileOp) -> None:
         target, args, kwargs = op.arg
@@ -289,15 +312,14 @@ class KernelWriter:
             raise Unsupported(NativeReason.SUMMATION_ORDER, f"float {name} keeps CPU's kernel")
         out_type = c_type(op.dtype)
         x = cast("row[f]", src.dtype, op.dtype)
-        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
-        self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
-        self.emit(f"  const {c_type(src.dtype)} *row = &{self.buffer(src)}[p * {src.shape[1][1]}];")
         # amax/amin start from the first element, so NaN and -inf rows come out as they are
         start = "(n > 0 ? " + x.replace("row[f]", "row[0]") + " : 0)" if name in ("amax", "amin") else \
             "1" if name == "prod" else "0"
-        self.lanes("acc", out_type, COMBINE[name], x, start)
-        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = acc;")
-        self.emit("}")
+        self.partition_loop(self.count(src.shape[0]), [
+            f"const int64_t n = {self.count(src.shape[1])};",
+            f"const {c_type(src.dtype)} *row = &{self.buffer(src)}[p * {src.shape[1][1]}];",
+            *lanes(out_type, COMBINE[name], x, start),
+            f"{self.buffer(op)}[p * {op.shape[1][1]}] = acc;"])
 
     def cascade_sum(self, op: TileOp, src: TileOp, name: str) -> None:
         """A float row's sum or mean in CPU's own order (`c_cascade`): bitwise what CPU's kernel (and
@@ -306,24 +328,11 @@ class KernelWriter:
             raise Unsupported(NativeReason.SUMMATION_ORDER,
                               f"float {name} of {src.dtype} into {op.dtype} on this CPU keeps CPU's kernel")
         ctype = c_type(op.dtype)
-        self.emit(f"for (int64_t p = 0; p < {self.count(src.shape[0])}; p++) {{")
-        self.emit(f"  const int64_t n = {self.count(src.shape[1])};")
-        self.emit(f"  const {ctype} sum = {c_cascade.function(op.dtype)}(&{self.buffer(src)}[p * {src.shape[1][1]}], n);")
         value = f"sum / ({ctype})n" if name == "mean" else "sum"
-        self.emit(f"  {self.buffer(op)}[p * {op.shape[1][1]}] = {value};")
-        self.emit("}")
-
-    def lanes(self, result: str, ctype: str, combine: str, x: str, start: str) -> None:
-        """`result` = the fold of `combine` (over acc and x) along row[0:n], in LANES partial folds."""
-        fold = combine.replace("acc", "lane[j]")
-        self.emit(f"  {ctype} {result} = {start};")
-        self.emit(f"  {{ {ctype} lane[{LANES}]; for (int j = 0; j < {LANES}; j++) lane[j] = {start};")
-        self.emit("  int64_t f = 0;")
-        self.emit(f"  for (; f + {LANES} <= n; f += {LANES}) for (int j = 0; j < {LANES}; j++) "
-                  f"{{ const {ctype} x = {x.replace('row[f]', 'row[f + j]')}; {fold}; }}")
-        self.emit(f"  for (int j = 0; j < {LANES}; j++) {{ const {ctype} x = lane[j]; "
-                  f"{combine.replace('acc', result)}; }}")
-        self.emit(f"  for (; f < n; f++) {{ const {ctype} x = {x}; {combine.replace('acc', result)}; }} }}")
+        self.partition_loop(self.count(src.shape[0]), [
+            f"const int64_t n = {self.count(src.shape[1])};",
+            f"const {ctype} sum = {c_cascade.function(op.dtype)}(&{self.buffer(src)}[p * {src.shape[1][1]}], n);",
+            f"{self.buffer(op)}[p * {op.shape[1][1]}] = {value};"])
 
     def op_broadcast(self, op: TileOp) -> None:
         self.tile_loop(op, self.element(op.srcs[0], op))
@@ -351,6 +360,28 @@ class KernelWriter:
 
     def op_iota(self, op: TileOp) -> None:
         self.tile_loop(op, cast(f"({self.start(op.shape[1])} + f)", torch.int64, op.dtype))
+
+
+def lanes(ctype: str, combine: str, x: str, start: str) -> list[str]:
+    """C declaring `acc`, the fold of `combine` (over acc and x) along row[0:n], in LANES partial folds."""
+    fold = combine.replace("acc", "lane[j]")
+    return [f"{ctype} acc = {start};",
+            f"{{ {ctype} lane[{LANES}]; for (int j = 0; j < {LANES}; j++) lane[j] = {start};",
+            "int64_t f = 0;",
+            f"for (; f + {LANES} <= n; f += {LANES}) for (int j = 0; j < {LANES}; j++) "
+            f"{{ const {ctype} x = {x.replace('row[f]', 'row[f + j]')}; {fold}; }}",
+            f"for (int j = 0; j < {LANES}; j++) {{ const {ctype} x = lane[j]; {combine}; }}",
+            f"for (; f < n; f++) {{ const {ctype} x = {x}; {combine}; }} }}"]
+
+
+def fuses_partitions(kernel: Kernel) -> bool:
+    """Whether the kernel's instructions may run partition by partition: not where a partition can
+    see another's work through HBM (an indirect load or store, a tensor stored and loaded again).
+    An index check is a loop of its own, so it still runs before any later instruction stores."""
+    loads = {op.arg[0] for op in kernel.body if op.op is Ops.LOAD}
+    stores = {op.arg for op in kernel.body if op.op is Ops.STORE}
+    indirect = any(op.op is Ops.LOAD and op.srcs or op.op is Ops.STORE and len(op.srcs) > 1 for op in kernel.body)
+    return not (loads & stores or indirect)
 
 
 def hbm_args(kernel: Kernel) -> dict[str, HbmArg]:

@@ -48,6 +48,9 @@ NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the t
 # Once the C is built, each of the two executables runs this many times, alternating, and the one
 # with the shorter best time stays: per-call overhead decides on small regions and is machine-bound.
 TRIAL_RUNS = 3
+# ... unless one is this many times faster than the other after each has run (the recorded graph's
+# runs while the C compiled count): a region whose C wins by far switches at its first native run.
+DECISIVE = 2.0
 # False keeps the native executable once built, unmeasured (tests that hold the C to CPU force it).
 CHOOSE_BY_MEASUREMENT = True
 # Matmul kernels: PyTorch's mm (oneDNN/MKL, blocked and vectorised with FMA) beats the C loop over
@@ -304,6 +307,7 @@ class HostExecutable:
         self.runs_to_build = 0  # armed: runs left before the background build starts
         self.where = None  # the disk cache a started build reads and writes (cache.Location)
         self.trial: _Trial | None = None
+        self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
 
     def arm(self) -> None:
         """Build the native executable once the region has run NATIVE_AFTER_RUNS times: a region
@@ -319,6 +323,11 @@ class HostExecutable:
         trial = self.trial  # read once: the builder thread sets it, the trial's last run clears it
         if trial is not None:
             return trial.run(self, inputs)
+        if self.tier is Tier.COMPILING:  # the recorded graph, timed: the trial's first figure for it
+            started = time.perf_counter()
+            results = self.source_forward(*inputs)
+            self.recorded_best = min(self.recorded_best, time.perf_counter() - started)
+            return results
         try:
             return self.forward(*inputs)
         except IndexOutOfRange:  # the recorded graph raises PyTorch's error for it
@@ -358,7 +367,7 @@ class HostExecutable:
         else:
             self.forward, self.tier = native.forward, Tier.NATIVE
             if CHOOSE_BY_MEASUREMENT:
-                self.trial = _Trial((native.forward, self.source_forward))
+                self.trial = _Trial((native.forward, self.source_forward), {self.source_forward: self.recorded_best})
         finally:
             self.ready.set()
 
@@ -373,12 +382,17 @@ class HostExecutable:
 
 
 class _Trial:
-    """Runs the contenders in turn, TRIAL_RUNS times each, keeping each one's best time."""
+    """Runs the contenders in turn, TRIAL_RUNS times each, keeping each one's best time (starting
+    from `timed`, the best times already measured), and ends early once the decision is DECISIVE."""
 
-    def __init__(self, contenders: tuple):
+    def __init__(self, contenders: tuple, timed: dict | None = None):
         self.contenders = contenders
-        self.best = {forward: float("inf") for forward in contenders}
+        self.best = {forward: (timed or {}).get(forward, float("inf")) for forward in contenders}
         self.runs = 0
+
+    def decided(self) -> bool:
+        slowest, fastest = max(self.best.values()), min(self.best.values())
+        return self.runs == TRIAL_RUNS * len(self.contenders) or slowest != float("inf") and slowest >= DECISIVE * fastest
 
     def run(self, host: HostExecutable, inputs: tuple) -> tuple:
         forward = self.contenders[self.runs % len(self.contenders)]
@@ -389,7 +403,7 @@ class _Trial:
         except IndexOutOfRange:
             results = host.source_forward(*inputs)
         self.best[forward] = min(self.best[forward], time.perf_counter() - started)
-        if self.runs == TRIAL_RUNS * len(self.contenders):
+        if self.decided():
             host.settle(self)
         return results
 
