@@ -18,6 +18,7 @@ PyTorch executable for it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,8 @@ class KernelWriter:
         self.kernel, self.symbol, self.args = kernel, symbol, args
         self.lines: list[str] = []
         self.buffers: dict[int, str] = {}     # id(op) -> its scratch buffer
-        self.declared: list[str] = []
+        self.declared: list[tuple[str, str, int, int]] = []  # (C type, name, rows, cols) of each buffer
+        self.runs: list[range] = []  # the lines of each partition loop
         self.extent = {op.arg[0]: op.arg[1] for op in kernel.body if op.op is Ops.RANGE}
         self.accumulator: dict[int, int] = {}
         for op in kernel.body:
@@ -90,7 +92,7 @@ class KernelWriter:
             name = f"t{len(self.buffers)}_{op.name or op.op.value}"
             rows, cols = (size for _, size in op.shape[:2])
             ctype = PSUM_TYPE if op.space == "psum" else c_type(op.dtype)
-            self.declared.append(f"  static {ctype} {name}[{rows * cols}] TW_ALIGN;")
+            self.declared.append((ctype, name, rows, cols))
             self.buffers[key] = name
         return self.buffers[key]
 
@@ -125,9 +127,27 @@ class KernelWriter:
             return
         (count, depth, body), self.pending = self.pending, None
         indent = "  " * depth
+        first = len(self.lines)
         self.lines.append(f"{indent}for (int64_t p = 0; p < {count}; p++) {{")
         self.lines.extend(f"{indent}  {line}" for line in body)
         self.lines.append(f"{indent}}}")
+        self.runs.append(range(first, len(self.lines)))
+
+    def declarations(self) -> list[str]:
+        """Each buffer as a static array: a whole tile, or one row where the tile is a value of one
+        partition loop that writes it before reading it (each partition's row is dead once the loop
+        moves on), so the chain of a fused kernel's values stays in L1."""
+        declared = []
+        for ctype, name, rows, cols in self.declared:
+            row_pattern = re.compile(rf"\b{name}\[p \* {cols}\b")
+            uses = [i for i, line in enumerate(self.lines) if f"{name}[" in line]
+            run = next((r for r in self.runs if uses and uses[0] in r and uses[-1] in r), None)
+            if run is not None and rows > 1 and re.search(rf"\b{name}\[p \* {cols}( \+ f)?\] = ", self.lines[uses[0]]):
+                for i in uses:
+                    self.lines[i] = row_pattern.sub(f"{name}[0", self.lines[i])
+                rows = 1
+            declared.append(f"  static {ctype} {name}[{rows * cols}] TW_ALIGN;")
+        return declared
 
     def tile_loop(self, op: TileOp, body: str) -> None:
         """for p, f over `op`'s valid extent: body (which writes `out`)."""
@@ -156,7 +176,7 @@ class KernelWriter:
                     f"({'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
                     for a in self.args.values()]
         return "\n".join([f"/* kernel {self.kernel.name} ({self.kernel.kind}) */",
-                          f"int {self.symbol}({params or 'void'}) {{", *self.declared, *pointers, *self.lines,
+                          f"int {self.symbol}({params or 'void'}) {{", *self.declarations(), *pointers, *self.lines,
                           "  return 0;", "}"])
 
     def inputs(self) -> list[HbmArg]:
