@@ -5,6 +5,7 @@ mode (tests/fuzzing.py), counting programs tried, mismatches and errors.
     python scripts/fuzz.py --programs 2000 --workers 2 --seed 7 --failures fuzz_failures.txt
     python scripts/fuzz.py --without interrupts,swap  # leave out areas whose engine fix is pending
     python scripts/fuzz.py --features none          # the first fuzzer's programs only
+    python scripts/fuzz.py --native                 # every compiled region runs its C (built at once)
 
 Areas (tests/fuzzing.py Features): data (`.data =` on pending values), set_copy, swap
 (torch.utils.swap_tensors), aliases (views of one base written through each other), half (float16
@@ -52,12 +53,15 @@ class _OutOfTime(Exception):
 
 
 def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, features, minutes: float,
-               minimise: int) -> dict:
+               minimise: int, native: bool = False) -> dict:
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hypothesis_seed
 
     import fuzzing
     import tilewise
+    if native:
+        import native_everywhere
+        native_everywhere.force_native(setattr)
 
     warnings.filterwarnings("ignore")
     counts = {"tried": 0, "rejected": 0, "mismatches": 0, "errors": 0, "failures": []}
@@ -147,6 +151,8 @@ def main() -> int:
                         help="failure classes to minimise per worker (default 20; the rest are counted)")
     parser.add_argument("--minutes", type=float, default=float("inf"),
                         help="stop drawing programs after this many minutes (then minimise and report)")
+    parser.add_argument("--native", action="store_true", help="every compiled region builds its C at once and "
+                        "runs it (no trial against the recorded graph): the fuzzer holds the C to CPU")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.programs < 1 or args.workers < 1 or args.max_ops < 1 or args.progress < 1:
@@ -163,12 +169,12 @@ def main() -> int:
     started = time.perf_counter()
     if args.worker:
         result = run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
-                            args.minimise)
+                            args.minimise, args.native)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.workers == 1:
         results = [run_worker(args.programs, args.seed, args.max_ops, args.progress, features, args.minutes,
-                            args.minimise)]
+                              args.minimise, args.native)]
     else:
         results = _run_workers(args, features)
     total = {key: sum(r[key] for r in results) for key in ("tried", "rejected", "mismatches", "errors", "compiles")}
@@ -198,7 +204,8 @@ def _run_workers(args, features) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--programs", str(share),
                                "--seed", str(args.seed + i), "--max-ops", str(args.max_ops),
                                "--progress", str(args.progress), "--features", ",".join(features.names()),
-                               "--minutes", str(args.minutes), "--minimise", str(args.minimise)],
+                               "--minutes", str(args.minutes), "--minimise", str(args.minimise)]
+                              + (["--native"] if args.native else []),
                               stdout=subprocess.PIPE, text=True)
              for i in range(args.workers)]
     results = []

@@ -15,17 +15,22 @@ from tilewise.compiler.native import Tier
 BUILD_TIMEOUT = 120  # seconds one region's C may take to build
 
 
-@pytest.fixture(autouse=True)
-def _native_regions(monkeypatch):
+def force_native(setattr) -> None:
+    """Every compile from now on builds its region's C, waits for it and keeps it; `setattr` is
+    how the two patches are applied (pytest's monkeypatch.setattr, or plain setattr for a script)."""
     original = cache.compile_cached
-    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", False)  # the C runs, never traded for the recorded graph
+    setattr(native, "CHOOSE_BY_MEASUREMENT", False)  # the C runs, never traded for the recorded graph
 
     def compile_cached(*args, **kwargs):
         compiled = original(*args, **kwargs)
         compiled.start_native()
         if compiled.wait_native(BUILD_TIMEOUT) is Tier.FAILED:
-            pytest.fail(f"native build failed: {compiled.native_failure}")
+            raise RuntimeError(f"native build failed: {compiled.native_failure}")
         return compiled
 
-    monkeypatch.setattr(cache, "compile_cached", compile_cached)
+    setattr(cache, "compile_cached", compile_cached)
 
+
+@pytest.fixture(autouse=True)
+def _native_regions(monkeypatch):
+    force_native(monkeypatch.setattr)

@@ -15,6 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_methods_invocations import op_db
 
 import tilewise
+from tilewise.adaptive.engine import RUNTIME
+from tilewise.adaptive.regions import CompiledEntry
 from tilewise.compiler import cache, compile_graph, native
 from tilewise.compiler.codegen_c import NativeReason
 from tilewise.compiler.native import Tier
@@ -222,6 +224,47 @@ def test_a_region_runs_pytorch_until_its_c_is_built_then_switches():
     assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
     torch.testing.assert_close(compiled.run(x)[0], fn(x))
     assert native_calls(compiled) == 1
+
+
+@pytest.mark.parametrize("mode,runs_before_build", [("adaptive", 1), ("compiled", native.NATIVE_AFTER_RUNS)])
+def test_an_adaptive_region_builds_its_c_at_its_first_run(mode, runs_before_build):
+    """Adaptive mode compiled the region because it recurred: its C starts building at its first
+    run. Compiled mode compiles at first sight: its C waits for the region to run again."""
+    tilewise.reset_caches()
+    x = torch.randn(64, 64, device="neuron")
+    with tilewise.config.patch(host_backend="native", cache_dir=""), tilewise.engine(mode=mode, threshold=2):
+        runs = 0
+        for _ in range(8):
+            y = torch.tanh(x) * 2 + x
+            tilewise.sync()
+            compiled = [entry.compiled for entry in RUNTIME.regions.values() if isinstance(entry, CompiledEntry)]
+            if compiled:
+                runs += 1
+                building = compiled[0].host_tier is not Tier.TORCH
+                assert building == (runs >= runs_before_build), (runs, compiled[0].host_tier)
+        assert compiled and compiled[0].wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+        torch.testing.assert_close(y.cpu(), torch.tanh(x.cpu()) * 2 + x.cpu())
+
+
+def test_a_trial_won_by_2x_ends_as_soon_as_both_have_run(monkeypatch):
+    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
+    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
+    x = torch.randn(64, 64)
+    compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
+    host = compiled._host
+    recorded = host.source_forward
+
+    def slow_recorded_graph(*inputs):
+        time.sleep(0.05)
+        return recorded(*inputs)
+
+    host.forward = host.source_forward = slow_recorded_graph
+    compiled.start_native()
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))  # the C: the recorded graph has no time yet
+    assert host.trial is not None
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))  # the recorded graph, 2x slower: decided
+    assert host.trial is None and compiled.host_tier is Tier.NATIVE and native_calls(compiled) == 1
 
 
 def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..compiler.native import NATIVE_AFTER_RUNS
 from ..reasons import Reason, Why
 
 
@@ -53,6 +54,13 @@ class Verdict(enum.Enum):
 class Decision(NamedTuple):
     verdict: Verdict
     reason: Reason | None = None
+
+
+def native_after_runs(mode: Mode) -> int:
+    """Runs of a compiled region on its recorded graph before its C is built (the tiered JIT's
+    hotness count). Adaptive mode compiled the region because it recurred: its C starts at its
+    first run. Compiled mode compiles at first sight: its C waits until the region has run again."""
+    return 1 if mode is Mode.ADAPTIVE else NATIVE_AFTER_RUNS
 
 
 def stable_after(mode: Mode, threshold: int) -> int:

@@ -30,7 +30,7 @@ from .analysis import NodeStep
 from .regions import (CompiledEntry, Region, RegionStep, build_graph, describe,
                       mixes_dtypes_on_shared_storage, needed_values)
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
-                     runs_now, stable_after)
+                     native_after_runs, runs_now, stable_after)
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -402,7 +402,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         try:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
-            compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name)
+            compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
+                                               native_after_runs=native_after_runs(segment.settings.mode))
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         seconds = time.perf_counter() - started

@@ -15,7 +15,7 @@ from .emit import emit
 from .interpreter import interpret
 from .lower import lower
 from .memory_plan import check_launch_limits
-from .native import HostExecutable, NativeProgram, Tier, generate
+from .native import NATIVE_AFTER_RUNS, HostExecutable, NativeProgram, Tier, generate
 from .partition import partition
 from .region import Region
 from .schedule import schedule
@@ -69,9 +69,9 @@ class CompiledRegion:
         """Start building the native executable in the background now; `run` switches when it is ready."""
         self._host.start()
 
-    def arm_native(self) -> None:
-        """Build the native executable in the background once the region has run a few times."""
-        self._host.arm()
+    def arm_native(self, runs: int = NATIVE_AFTER_RUNS) -> None:
+        """Build the native executable in the background once the region has run `runs` times."""
+        self._host.arm(runs)
 
     def wait_native(self, timeout: float | None = None) -> Tier:
         """The host tier once a background native build is done (or `timeout` seconds have passed)."""

@@ -9,17 +9,20 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError, ConfigError
 from . import cache
 from .driver import CompiledRegion
+from .native import NATIVE_AFTER_RUNS
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | None = None,
-                  name: str = "region") -> CompiledRegion:
+                  name: str = "region", native_after_runs: int = NATIVE_AFTER_RUNS) -> CompiledRegion:
+    """The region compiled (or from the cache); with host_backend=native its C is built in the
+    background once it has run `native_after_runs` times."""
     if spec is None:
         from ..device.runtime import DEVICE
         spec = DEVICE.spec
     _check_arguments(gm, example_inputs, spec, name)
     compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
     if config.host_backend == "native":
-        compiled.arm_native()
+        compiled.arm_native(native_after_runs)
     return compiled
 
 

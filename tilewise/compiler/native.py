@@ -41,7 +41,10 @@ from ..errors import CompileError
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
 from .tile_ir import Launch
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-ffp-contract=off", "-fwrapv", "-fno-math-errno")
+# -O2 with -O3's loop vectoriser: the fused chain's kernel runs within 7% of -O3 and builds in a third
+# of the time (0.24 vs 0.8 s), and the build is what a region waits for before its C runs
+COMPILE_FLAGS = ("-O2", "-ftree-vectorize", "-fvect-cost-model=dynamic", "-march=native", "-shared", "-fPIC",
+                 "-ffp-contract=off", "-fwrapv", "-fno-math-errno")
 COMPILE_TIMEOUT_SECONDS = 120
 C_COMPILER = "cc"  # the system C compiler, found on PATH
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
@@ -309,11 +312,11 @@ class HostExecutable:
         self.trial: _Trial | None = None
         self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
 
-    def arm(self) -> None:
-        """Build the native executable once the region has run NATIVE_AFTER_RUNS times: a region
-        compiled and run once (a changing signature, a test) costs no C compile."""
+    def arm(self, runs: int = NATIVE_AFTER_RUNS) -> None:
+        """Build the native executable once the region has run `runs` times: a region compiled and
+        run once (a changing signature, a test) costs no C compile."""
         if self.tier is Tier.TORCH and self.runs_to_build == 0:
-            self.runs_to_build = NATIVE_AFTER_RUNS
+            self.runs_to_build = max(1, runs)
 
     def run(self, *inputs) -> tuple:
         if self.runs_to_build:
