@@ -109,6 +109,24 @@ def test_float_sums_and_means_add_in_cpus_order_bitwise(width, dtype):
           exact=True, kernels=1)
 
 
+def test_a_summation_order_this_pytorch_does_not_use_keeps_cpus_kernel(monkeypatch):
+    """The order is checked against this PyTorch's sums before any C uses it: with a wrong vector
+    width the check fails and float sums stay on PyTorch, with the reason shown."""
+    from tilewise.compiler import c_cascade
+    with monkeypatch.context() as patch:
+        patch.setattr(c_cascade, "_VECTOR_BYTES", {name: 64 if width == 32 else 32
+                                                   for name, width in c_cascade._VECTOR_BYTES.items()})
+        c_cascade.vector_bytes.cache_clear()
+        try:
+            assert c_cascade.vector_bytes() is None
+            x = torch.randn(37, 100)
+            compiled = compile_graph(make_fx(lambda x: x.sum(-1) * 2)(x.clone()), [x.clone()], spec=TRN2)
+            assert [r.reason for r in compiled.native.refused] == [NativeReason.SUMMATION_ORDER], str(compiled.native)
+        finally:
+            c_cascade.vector_bytes.cache_clear()
+    assert c_cascade.vector_bytes() is not None
+
+
 def test_softmax_and_a_normalisation_run_in_c_within_tolerance():
     """Their exp and sqrt are libm's; their sums are CPU's order: within the dtype's tolerance."""
     x = torch.randn(200, 96)

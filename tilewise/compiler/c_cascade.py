@@ -8,13 +8,15 @@ additions carries into the next, so only partial sums of similar size meet); the
 are then added in order, the scalar tail into a fresh accumulator, the lanes after it, and the result
 added to the zero the output was filled with. A row shorter than a vector takes the same cascade
 over single elements. Every step is a lane-wise IEEE add, so C that does them in this order is
-bitwise CPU's; the vector width is the one ATen dispatches to on this machine.
+bitwise CPU's; the vector width is the one ATen dispatches to on this machine, and the order is
+checked once per process against this PyTorch's own sums (where it differs, sums keep CPU's kernel).
 """
 from __future__ import annotations
 
 import functools
 import platform
 
+import numpy as np
 import torch
 
 # ATen's vector width per CPU capability (vec_base.h: VECTOR_WIDTH); other machines keep CPU's kernel
@@ -24,17 +26,71 @@ CASCADE_DTYPES = {torch.float32: "float", torch.float64: "double"}
 
 @functools.lru_cache(maxsize=1)
 def vector_bytes() -> int | None:
-    """Bytes of one ATen vector on this CPU, or None where the cascade's width is not known here."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    """Bytes of one ATen vector on this CPU, or None where the cascade's width is not known here or
+    the order below does not give this PyTorch's sums bitwise (checked once, on rows of every shape
+    the cascade distinguishes: the C follows the same steps, and tests/test_native.py holds it to it)."""
+    width = _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability()) \
+        if platform.machine() in ("x86_64", "AMD64") else None
+    if width is None:
         return None
-    return _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability())
+    generator = torch.Generator().manual_seed(0)
+    for dtype in CASCADE_DTYPES:
+        lanes = width // torch.empty((), dtype=dtype).element_size()
+        for n in (5, lanes, 37, 1000, 4099):
+            row = torch.randn(n, generator=generator, dtype=dtype) * 1e3 + 0.3
+            if _cascade_sum(row.numpy(), lanes) != row.sum().item():
+                return None
+    return width
+
+
+def _cascade_sum(row: np.ndarray, lanes: int):
+    """The order the C adds in, in numpy (lane-wise IEEE adds in the row's dtype)."""
+    n, zero = len(row), row.dtype.type(0)
+    if n < lanes:
+        return zero + _row_sum(row.reshape(n, 1))[0]
+    vectors = n // lanes
+    partial = _row_sum(row[:vectors * lanes].reshape(vectors, lanes))
+    total = zero
+    for value in row[vectors * lanes:]:
+        total += value
+    for value in partial:
+        total += value
+    return zero + total
+
+
+def _row_sum(elements: np.ndarray) -> np.ndarray:
+    """row_sum of SumKernel.cpp over `elements` (one row of lanes each), four at a time in a cascade."""
+    size = len(elements)
+    groups = size // 4
+    level_power = max(4, (1 if groups <= 2 else int(groups - 1).bit_length()) // 4)
+    step, mask = 1 << level_power, (1 << level_power) - 1
+    acc = np.zeros((4, 4, elements.shape[1]), dtype=elements.dtype)
+    i = 0
+    while i + step <= groups:
+        for _ in range(step):
+            acc[0] += elements[i * 4:i * 4 + 4]
+            i += 1
+        for j in range(1, 4):
+            acc[j] += acc[j - 1]
+            acc[j - 1] = 0
+            if i & (mask << (j * level_power)):
+                break
+    for i in range(i, groups):
+        acc[0] += elements[i * 4:i * 4 + 4]
+    for j in range(1, 4):
+        acc[0] += acc[j]
+    for e in range(groups * 4, size):
+        acc[0][0] += elements[e]
+    for k in range(1, 4):
+        acc[0][0] += acc[0][k]
+    return acc[0][0]
 
 
 def function(dtype: torch.dtype) -> str:
     return f"tw_cascade_sum_{CASCADE_DTYPES[dtype]}"
 
 
-def _row_sum(ctype: str, width: int) -> str:
+def _row_sum_c(ctype: str, width: int) -> str:
     """row_sum + multi_row_sum over `size` elements of `width` lanes (element i at in[i * width])."""
     name = f"tw_row_sum_{ctype}_{width}"
     lanes = "for (int l = 0; l < W; l++)"
@@ -62,7 +118,7 @@ static void {name}(const {ctype} *in, int64_t size, {ctype} out[{width}]) {{
 
 
 def _cascade(ctype: str, lanes: int) -> str:
-    return _row_sum(ctype, lanes) + _row_sum(ctype, 1) + f"""
+    return _row_sum_c(ctype, lanes) + _row_sum_c(ctype, 1) + f"""
 static {ctype} tw_cascade_sum_{ctype}(const {ctype} *row, int64_t n) {{
   {ctype} partial[{lanes}];
   if (n < {lanes}) {{ tw_row_sum_{ctype}_1(row, n, partial); return ({ctype})0 + partial[0]; }}
