@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..compiler.native import NATIVE_AFTER_RUNS
 from ..reasons import Reason, Why
 
 
@@ -56,11 +55,12 @@ class Decision(NamedTuple):
     reason: Reason | None = None
 
 
-def native_after_runs(mode: Mode) -> int:
+def native_after_runs(mode: Mode) -> int | None:
     """Runs of a compiled region on its recorded graph before its C is built (the tiered JIT's
     hotness count). Adaptive mode compiled the region because it recurred: its C starts at its
-    first run. Compiled mode compiles at first sight: its C waits until the region has run again."""
-    return 1 if mode is Mode.ADAPTIVE else NATIVE_AFTER_RUNS
+    first run. Compiled mode compiles at first sight: None, the compiler's own count (the C waits
+    until the region has run again)."""
+    return 1 if mode is Mode.ADAPTIVE else None
 
 
 def stable_after(mode: Mode, threshold: int) -> int:

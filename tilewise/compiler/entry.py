@@ -13,16 +13,16 @@ from .native import NATIVE_AFTER_RUNS
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | None = None,
-                  name: str = "region", native_after_runs: int = NATIVE_AFTER_RUNS) -> CompiledRegion:
+                  name: str = "region", native_after_runs: int | None = None) -> CompiledRegion:
     """The region compiled (or from the cache); with host_backend=native its C is built in the
-    background once it has run `native_after_runs` times."""
+    background once it has run `native_after_runs` times (None: NATIVE_AFTER_RUNS)."""
     if spec is None:
         from ..device.runtime import DEVICE
         spec = DEVICE.spec
     _check_arguments(gm, example_inputs, spec, name)
     compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
     if config.host_backend == "native":
-        compiled.arm_native(native_after_runs)
+        compiled.arm_native(NATIVE_AFTER_RUNS if native_after_runs is None else native_after_runs)
     return compiled
 
 
