@@ -158,6 +158,28 @@ def test_float_variances_and_products_keep_cpus_kernel_and_its_rounding(fn):
     torch.testing.assert_close(compiled.run(x.clone())[0], fn(x))
 
 
+def test_an_infinite_loss_gradient_leaves_the_other_classes_zero_as_on_cpu(monkeypatch):
+    """exp(cross_entropy(x)**3) overflows, so nll_loss_backward gets an infinite gradient: CPU's kernel
+    writes 0 outside the targets, PyTorch's decomposition multiplied a one-hot by it (inf * 0 = NaN),
+    which only the C, built from the decomposed graph, ran (found by `scripts/fuzz.py --native`)."""
+    import fuzzing
+    import native_everywhere
+    native_everywhere.force_native(monkeypatch.setattr)
+    fuzzing.check(fuzzing.Program(
+        inputs=[((5, 4), "float32", True)],
+        lines=["v0 = torch.pow(x0, 3)", "v2 = v0 + x0",
+               "v3 = F.cross_entropy(v2, (v2.detach().abs() * 7).long().remainder(4)[..., :1].squeeze(-1))",
+               "v5 = torch.pow(v3, 3)", "v6 = torch.exp(v5)"],
+        outputs=["v6"]))
+    inputs = [torch.tensor(float("inf")), torch.randn(5, 4).log_softmax(-1), torch.tensor([0, 3, 2, -100, 1]),
+              torch.tensor(4.0)]
+    fn = lambda g, x, t, total: torch.ops.aten.nll_loss_backward(g, x, t, None, 1, -100, total)  # noqa: E731
+    compiled = compile_graph(make_fx(fn)(*inputs), inputs, spec=TRN2)
+    expected = fn(*inputs)
+    assert not expected.isnan().any()
+    assert torch.equal(compiled.run_torch(*inputs)[0], expected) and torch.equal(compiled.interpret(*inputs)[0], expected)
+
+
 def test_reduction_of_a_width_one_input_fused_with_a_wider_epilogue_reads_its_own_width():
     """sum over a [1] diagonal added to a [1, 48] tensor: the fused group is 48 wide, the summed
     input one wide (found by the fuzzer: the reduction read 48 elements of a one-element view)."""

@@ -40,6 +40,7 @@ _FUSE_THROUGH = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_sof
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
+    table[aten.nll_loss_backward.default] = _nll_loss_backward
     table = {op: _whole_for_16_bit(decomposition) for op, decomposition in table.items()}
     # ours round as CPU's kernels do: accumulate 16-bit floats in float32, round once
     table.update({aten.sum.default: _sum_all, aten.sum.dim_IntList: _sum_last_dim_first,
@@ -113,6 +114,28 @@ def _mean_as_sum(x, dims=None, keepdim=False, dtype=None):
         return NotImplemented
     mean = aten.div.Tensor(total, math.prod(x.shape[d] for d in reduced))
     return mean if mean.dtype == out_dtype else aten._to_copy.default(mean, dtype=out_dtype)
+
+
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """PyTorch's decomposition (torch._decomp.decompositions._nll_loss_backward), except that the
+    gradient is selected into each target's column instead of multiplied by a one-hot: CPU's kernel
+    writes the other columns as 0, where inf * 0 made them NaN (an infinite loss gradient, found by
+    `scripts/fuzz.py --native`). At the target, -1 * g is exactly -g, so the values are CPU's."""
+    channel_dim = 0 if self.dim() < 2 else 1
+    if reduction == 1:  # mean
+        grad_output = grad_output / total_weight
+    if self.dim() == 1 and target.dim() > 0:  # no batch dim: the kernel reads target[0] only
+        target = target[0]
+    target = target.unsqueeze(channel_dim)
+    kept = target != ignore_index
+    columns = torch.zeros_like(self, dtype=torch.bool).scatter(channel_dim, torch.where(kept, target, 0), True)
+    if self.dim() > grad_output.dim() > 0:
+        grad_output = grad_output.unsqueeze(channel_dim)
+    if weight is not None:
+        shape = [1] * self.dim()
+        shape[channel_dim] = weight.shape[0]
+        grad_output = grad_output * weight.reshape(shape)
+    return torch.where(columns & kept, -grad_output, 0).to(self.dtype)
 
 
 # Per-tensor ops whose scalar operand is keyword-only, while the _foreach_ form passes it positionally.
