@@ -286,21 +286,28 @@ def test_an_adaptive_region_builds_its_c_at_its_first_run(mode, runs_before_buil
         torch.testing.assert_close(y.cpu(), torch.tanh(x.cpu()) * 2 + x.cpu())
 
 
-def test_a_trial_won_by_2x_ends_as_soon_as_both_have_run(monkeypatch):
-    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
-    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
-    x = torch.randn(64, 64)
+def _native_beside_a_slow_recorded_graph(fn, x, seconds: float):
+    """The region of `fn` with its C built and its recorded graph made `seconds` slower per run, so
+    that it loses the trial against the C."""
     compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
     host = compiled._host
     recorded = host.source_forward
 
     def slow_recorded_graph(*inputs):
-        time.sleep(0.05)
+        time.sleep(seconds)
         return recorded(*inputs)
 
     host.forward = host.source_forward = slow_recorded_graph
     compiled.start_native()
     assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    return compiled, host
+
+
+def test_a_trial_won_by_2x_ends_as_soon_as_both_have_run(monkeypatch):
+    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
+    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
+    x = torch.randn(64, 64)
+    compiled, host = _native_beside_a_slow_recorded_graph(fn, x, 0.05)
     torch.testing.assert_close(compiled.run(x)[0], fn(x))  # the C: the recorded graph has no time yet
     assert host.trial is not None
     torch.testing.assert_close(compiled.run(x)[0], fn(x))  # the recorded graph, 2x slower: decided
@@ -311,17 +318,7 @@ def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
     monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
     fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
     x = torch.randn(64, 64)
-    compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
-    host = compiled._host
-    recorded = host.source_forward
-
-    def slow_recorded_graph(*inputs):  # the recorded graph made to lose the trial
-        time.sleep(0.02)
-        return recorded(*inputs)
-
-    host.forward = host.source_forward = slow_recorded_graph
-    compiled.start_native()
-    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+    compiled, host = _native_beside_a_slow_recorded_graph(fn, x, 0.02)
     for _ in range(2 * native.TRIAL_RUNS):  # both contenders, in turn, with CPU's values
         torch.testing.assert_close(compiled.run(x)[0], fn(x))
     assert host.trial is None and compiled.host_tier is Tier.NATIVE and native_calls(compiled) == 1

@@ -35,7 +35,7 @@ def vector_bytes() -> int | None:
         return None
     generator = torch.Generator().manual_seed(0)
     for dtype in CASCADE_DTYPES:
-        lanes = width // torch.empty((), dtype=dtype).element_size()
+        lanes = width // dtype.itemsize
         for n in (5, lanes, 37, 1000, 4099):
             row = torch.randn(n, generator=generator, dtype=dtype) * 1e3 + 0.3
             if _cascade_sum(row.numpy(), lanes) != row.sum().item():
@@ -140,5 +140,5 @@ def helpers() -> str:
     return ("""
 static inline int64_t tw_max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t tw_ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)x - 1); }"""
-            + "".join(_cascade(ctype, width // torch.empty((), dtype=dtype).element_size())
+            + "".join(_cascade(ctype, width // dtype.itemsize)
                       for dtype, ctype in CASCADE_DTYPES.items()) + "\n")

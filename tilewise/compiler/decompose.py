@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._decomp.decompositions import Reduction
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -122,7 +123,7 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
     writes the other columns as 0, where inf * 0 made them NaN (an infinite loss gradient, found by
     `scripts/fuzz.py --native`). At the target, -1 * g is exactly -g, so the values are CPU's."""
     channel_dim = 0 if self.dim() < 2 else 1
-    if reduction == 1:  # mean
+    if reduction == Reduction.MEAN.value:
         grad_output = grad_output / total_weight
     if self.dim() == 1 and target.dim() > 0:  # no batch dim: the kernel reads target[0] only
         target = target[0]

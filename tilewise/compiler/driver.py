@@ -15,7 +15,7 @@ from .emit import emit
 from .interpreter import interpret
 from .lower import lower
 from .memory_plan import check_launch_limits
-from .native import NATIVE_AFTER_RUNS, HostExecutable, NativeProgram, Tier, generate
+from .native import HostExecutable, NativeProgram, Tier, generate
 from .partition import partition
 from .region import Region
 from .schedule import schedule
@@ -69,7 +69,7 @@ class CompiledRegion:
         """Start building the native executable in the background now; `run` switches when it is ready."""
         self._host.start()
 
-    def arm_native(self, runs: int = NATIVE_AFTER_RUNS) -> None:
+    def arm_native(self, runs: int | None = None) -> None:
         """Build the native executable in the background once the region has run `runs` times."""
         self._host.arm(runs)
 

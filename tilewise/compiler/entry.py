@@ -9,7 +9,6 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError, ConfigError
 from . import cache
 from .driver import CompiledRegion
-from .native import NATIVE_AFTER_RUNS
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | None = None,
@@ -22,7 +21,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | N
     _check_arguments(gm, example_inputs, spec, name)
     compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
     if config.host_backend == "native":
-        compiled.arm_native(NATIVE_AFTER_RUNS if native_after_runs is None else native_after_runs)
+        compiled.arm_native(native_after_runs)
     return compiled
 
 

@@ -312,11 +312,12 @@ class HostExecutable:
         self.trial: _Trial | None = None
         self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
 
-    def arm(self, runs: int = NATIVE_AFTER_RUNS) -> None:
-        """Build the native executable once the region has run `runs` times: a region compiled and
-        run once (a changing signature, a test) costs no C compile."""
+    def arm(self, runs: int | None = None) -> None:
+        """Build the native executable once the region has run `runs` times (None:
+        NATIVE_AFTER_RUNS): a region compiled and run once (a changing signature, a test) costs no
+        C compile."""
         if self.tier is Tier.TORCH and self.runs_to_build == 0:
-            self.runs_to_build = max(1, runs)
+            self.runs_to_build = max(1, NATIVE_AFTER_RUNS if runs is None else runs)
 
     def run(self, *inputs) -> tuple:
         if self.runs_to_build:
