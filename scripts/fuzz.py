@@ -32,6 +32,10 @@ import threading
 import time
 import warnings
 
+# Every compile cold, as a new program's: the compiler is what this checks, not the disk cache
+# (the workers it starts inherit the setting).
+os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 

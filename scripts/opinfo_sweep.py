@@ -26,6 +26,10 @@ import sys
 import time
 import warnings
 
+# Every compile cold, as a new program's: the compiler is what this checks, not the disk cache
+# (the workers it starts inherit the setting).
+os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
+
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # this checkout's tilewise and tests, whatever tilewise is installed
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]

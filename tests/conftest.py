@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
-import tilewise
+# The suite keeps compiled regions in memory, as each test expects to compile its own (the disk
+# cache, on by default for users, has tests of its own that name their directories); set here, not
+# in a fixture, so the programs tests start in subprocesses inherit it.
+os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
+
+import tilewise  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -70,3 +70,70 @@ def test_tampered_payload_with_stale_mac_is_rejected(tmp_path):
     assert cache.stats.corrupt == corrupt + 1 and cache.stats.compiles == compiles + 1
     torch.testing.assert_close(compiled.run(x)[0], fn(x))
     cache.clear_memory()
+
+
+TRAINING = textwrap.dedent("""
+    import torch, tilewise
+    from tilewise.compiler import cache
+    from tilewise.workloads import MLP
+
+    def train(device):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(16, 32).to(device), torch.randint(0, 10, (16,)).to(device)
+        losses = []
+        for _ in range(6):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    expected = train("cpu")
+    with tilewise.engine(mode="adaptive"):
+        got = train("neuron")
+    s = cache.stats
+    print(tilewise.config.cache_dir, s.compiles, s.disk_hits, s.disk_writes, got == expected,
+          tilewise.stats().ops_compiled > 0)
+""")
+
+
+def _train_with_default_settings(home, **env) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_") and not k.startswith("XDG_")}
+    out = subprocess.run([sys.executable, "-c", TRAINING], env={**clean, "HOME": str(home), **env},
+                         capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_by_default_a_second_run_of_a_program_loads_its_regions_from_the_users_cache(tmp_path):
+    home = tmp_path / "home"
+    directory = str(home / ".cache" / "tilewise")
+    directory_, compiles, hits, writes, same, compiled = _train_with_default_settings(home)
+    assert (directory_, hits, same, compiled) == (directory, "0", "True", "True")
+    assert int(compiles) >= 1 and writes == compiles  # every region compiled was kept
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(home / ".config" / "tilewise" / "cache.key").st_mode) == 0o600
+    entries = sorted(p.name for p in (home / ".cache" / "tilewise").iterdir())
+    assert len([e for e in entries if e.endswith(".twc")]) == int(compiles)
+    # the second run of the same program compiles nothing and computes the same losses
+    assert _train_with_default_settings(home) == [directory, "0", compiles, "0", "True", "True"]
+
+
+def test_xdg_cache_home_moves_the_default_and_off_keeps_regions_in_memory(tmp_path):
+    xdg = tmp_path / "xdg"
+    directory, compiles, hits, writes, same, compiled = _train_with_default_settings(
+        tmp_path / "home", XDG_CACHE_HOME=str(xdg))
+    assert directory == str(xdg / "tilewise") and writes == compiles != "0" and same == compiled == "True"
+    home = tmp_path / "home2"
+    assert _train_with_default_settings(home, TILEWISE_CACHE_DIR="off")[:4] == ["None", compiles, "0", "0"]
+    assert not (home / ".cache").exists()
+    # a relative XDG_CACHE_HOME is ignored, as the XDG spec says
+    assert _train_with_default_settings(home, XDG_CACHE_HOME="relative")[0] == str(home / ".cache" / "tilewise")
+
+
+@pytest.mark.parametrize("value", [None, "", "off", "OFF", " off "])
+def test_cache_dir_off_none_or_empty_is_memory_only(value):
+    with tilewise.config.patch(cache_dir=value):
+        assert tilewise.config.cache_dir is None

@@ -49,11 +49,25 @@ def _optional_cores(name: str, value: Any) -> int | None:
     return None if value is None else _int_at_least(1)(name, value)
 
 
-def _optional_path(name: str, value: Any) -> str | None:
-    if value is None or value == "":
+def _default_cache_dir() -> str:
+    """Where compiled regions are kept unless set: the user's XDG cache directory (an
+    XDG_CACHE_HOME that is not absolute is ignored, as the XDG spec says), as PyTorch's inductor
+    and the Neuron SDK keep their compile caches on disk by default."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tilewise")
+
+
+CACHE_OFF = "off"
+
+
+def _cache_dir(name: str, value: Any) -> str | None:
+    """A directory path; None (memory only) for None, "" or "off"."""
+    if value is None or value == "" or isinstance(value, str) and value.strip().lower() == CACHE_OFF:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{name} must be a directory path or empty; got {value!r}")
+        raise ConfigError(f"{name} must be a directory path, or '{CACHE_OFF}' for memory only; got {value!r}")
     return os.fspath(value)
 
 
@@ -100,8 +114,9 @@ SETTINGS: dict[str, Setting] = {
     "cores": Setting(None, "TILEWISE_CORES", _optional_cores,
                      "NeuronCores in this process (neuron:0 ... neuron:N-1); unset: the DeviceSpec's cores per chip",
                      number=True),
-    "cache_dir": Setting(None, "TILEWISE_CACHE_DIR", _optional_path,
-                         "directory for compiled kernels shared across processes; unset: memory only"),
+    "cache_dir": Setting(_default_cache_dir(), "TILEWISE_CACHE_DIR", _cache_dir,
+                         "directory where compiled regions and their native code are kept across processes "
+                         f"(authenticated with cache_key_file); '{CACHE_OFF}' or None: memory only"),
     "cache_key_file": Setting(_default_key_file(), "TILEWISE_CACHE_KEY_FILE", _key_file,
                               "per-user secret (0600, made on first use) that authenticates disk cache entries"),
     "recompile_limit": Setting(8, "TILEWISE_RECOMPILE_LIMIT", _int_at_least(0),

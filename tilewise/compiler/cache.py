@@ -1,4 +1,5 @@
-"""Compiled regions cached in memory and, with TILEWISE_CACHE_DIR set, on disk across processes.
+"""Compiled regions cached in memory and on disk across processes (`config.cache_dir`: by default
+~/.cache/tilewise, or $XDG_CACHE_HOME/tilewise; TILEWISE_CACHE_DIR=off keeps them in memory only).
 
 An entry is keyed by a sha256 of everything its compile depends on: the graph's code and constants,
 the input metadata (shape, strides, storage offset, dtype, device, requires_grad, which inputs share
