@@ -181,7 +181,8 @@ def _open_disk(where: Location | None = None) -> _Disk | None:
     except OSError as error:
         stats.disk_errors += 1
         _warn_once(f"tilewise: compile cache directory {directory} or key {key_file} is unusable "
-                   f"({error}); caching in memory only")
+                   f"({error}); caching in memory only (set TILEWISE_CACHE_DIR to a directory of yours, or "
+                   f"to 'off')")
     return None
 
 
