@@ -31,6 +31,12 @@ from . import c_cascade
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
 
+# A buffer's row inside a partition loop, `name[p * pitch...`, and a statement writing it first (to
+# its whole row or element by element); compiled once, the name and pitch compared per buffer.
+_ROW_INDEX = re.compile(r"\b(\w+)\[p \* (\d+)\b")
+_ROW_WRITE = re.compile(r"\b(\w+)\[p \* (\d+)(?: \+ f)?\] = ")
+
+
 @dataclass(frozen=True)
 class HbmArg:
     """One pointer argument of a kernel function: a tensor (or its materialised 2-D view) in HBM."""
@@ -139,12 +145,12 @@ class KernelWriter:
         moves on), so the chain of a fused kernel's values stays in L1."""
         declared = []
         for ctype, name, rows, cols in self.declared:
-            row_pattern = re.compile(rf"\b{name}\[p \* {cols}\b")
             uses = [i for i, line in enumerate(self.lines) if f"{name}[" in line]
             run = next((r for r in self.runs if uses and uses[0] in r and uses[-1] in r), None)
-            if run is not None and rows > 1 and re.search(rf"\b{name}\[p \* {cols}( \+ f)?\] = ", self.lines[uses[0]]):
+            row = (name, str(cols))
+            if run is not None and rows > 1 and any(m.groups() == row for m in _ROW_WRITE.finditer(self.lines[uses[0]])):
                 for i in uses:
-                    self.lines[i] = row_pattern.sub(f"{name}[0", self.lines[i])
+                    self.lines[i] = _ROW_INDEX.sub(lambda m: f"{name}[0" if m.groups() == row else m.group(0), self.lines[i])
                 rows = 1
             declared.append(f"  static {ctype} {name}[{rows * cols}] TW_ALIGN;")
         return declared
