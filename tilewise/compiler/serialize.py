@@ -28,7 +28,14 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NODE_FIELDS = {"name", "op", "target", "args", "kwargs"}
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str})  # stored as they are (most leaves: sizes, strides)
+
+
 def encode(value):
+    if type(value) in _PLAIN:
+        return value
+    if type(value) is tuple:
+        return {"tuple": [encode(v) for v in value]}
     if isinstance(value, torch.fx.Node):
         return {"node": value.name}
     if isinstance(value, torch._ops.OpOverload):
@@ -58,6 +65,8 @@ def encode(value):
 def decode(value, nodes=None):
     """The value an encoded entry stands for; `nodes` maps stored node names to the nodes already
     rebuilt. Anything but the tags `encode` writes is refused."""
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, list):
         return [decode(v, nodes) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
