@@ -94,9 +94,9 @@ TRAINING = textwrap.dedent("""
     expected = train("cpu")
     with tilewise.engine(mode="adaptive"):
         got = train("neuron")
-    s = cache.stats
+    s, engine = cache.stats, tilewise.stats()
     print(tilewise.config.cache_dir, s.compiles, s.disk_hits, s.disk_writes, got == expected,
-          tilewise.stats().ops_compiled > 0)
+          engine.ops_compiled > 0, engine.compiles, engine.cached_compiles)
 """)
 
 
@@ -110,20 +110,20 @@ def _train_with_default_settings(home, **env) -> list[str]:
 def test_by_default_a_second_run_of_a_program_loads_its_regions_from_the_users_cache(tmp_path):
     home = tmp_path / "home"
     directory = str(home / ".cache" / "tilewise")
-    directory_, compiles, hits, writes, same, compiled = _train_with_default_settings(home)
-    assert (directory_, hits, same, compiled) == (directory, "0", "True", "True")
-    assert int(compiles) >= 1 and writes == compiles  # every region compiled was kept
+    directory_, compiles, hits, writes, same, compiled, regions, cached = _train_with_default_settings(home)
+    assert (directory_, hits, same, compiled, cached) == (directory, "0", "True", "True", "0")
+    assert int(compiles) >= 1 and writes == compiles == regions  # every region compiled was kept
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(home / ".config" / "tilewise" / "cache.key").st_mode) == 0o600
     entries = sorted(p.name for p in (home / ".cache" / "tilewise").iterdir())
     assert len([e for e in entries if e.endswith(".twc")]) == int(compiles)
-    # the second run of the same program compiles nothing and computes the same losses
-    assert _train_with_default_settings(home) == [directory, "0", compiles, "0", "True", "True"]
+    # the second run of the same program compiles nothing, computes the same losses, and says so
+    assert _train_with_default_settings(home) == [directory, "0", compiles, "0", "True", "True", regions, regions]
 
 
 def test_xdg_cache_home_moves_the_default_and_off_keeps_regions_in_memory(tmp_path):
     xdg = tmp_path / "xdg"
-    directory, compiles, hits, writes, same, compiled = _train_with_default_settings(
+    directory, compiles, hits, writes, same, compiled, _, _ = _train_with_default_settings(
         tmp_path / "home", XDG_CACHE_HOME=str(xdg))
     assert directory == str(xdg / "tilewise") and writes == compiles != "0" and same == compiled == "True"
     home = tmp_path / "home2"

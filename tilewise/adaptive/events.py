@@ -36,6 +36,7 @@ class RegionCompiled:
     seconds: float
     kernels: int
     refused: list = field(default_factory=list)   # (what, why) of fusions the compiler refused
+    cached: bool = False  # served by the compiler's cache (memory, or disk: an earlier process's compile)
 
 
 class EventStream:

@@ -395,10 +395,11 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region):
-        from ..compiler import compile_graph  # the compiler layer sits below; imported on first use
+        from ..compiler import cache, compile_graph  # the compiler layer sits below; imported on first use
 
         name = f"region{len(self.stats.regions) + 1}"
         started = time.perf_counter()
+        passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
         try:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
@@ -413,7 +414,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         self.regions.put(region.key, entry)
         self.events.publish(events.RegionCompiled(
             name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
-            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])]))
+            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
+            cached=cache.stats.compiles == passes_run))
         return entry
 
     @staticmethod

@@ -45,6 +45,7 @@ class Stats:
         self.regions_found = 0
         self.compiles = 0
         self.compile_seconds = 0.0
+        self.cached_compiles = 0     # of the compiles, served by the compiler's cache (disk: an earlier run's)
         self.recompiles = 0
         # per-size tile programs of shape-generic regions (cheap: no decomposition; not compiles)
         self.specialisations = 0
@@ -68,6 +69,7 @@ class Stats:
         """A RegionCompiled event from the engine's stream."""
         self.compiles += 1
         self.compile_seconds += event.seconds
+        self.cached_compiles += event.cached
         self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20])
 
     def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
@@ -129,7 +131,7 @@ class Stats:
             "transfers": self.transfers, "random_draws": self.random_draws, "warmup_ops": self.warmup_ops,
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
-            "compile_seconds": self.compile_seconds, "recompiles": self.recompiles,
+            "compile_seconds": self.compile_seconds, "cached_compiles": self.cached_compiles, "recompiles": self.recompiles,
             "specialisations": self.specialisations, "specialise_seconds": self.specialise_seconds,
             "evaluated_sizes": self.evaluated_sizes, "evaluate_seconds": self.evaluate_seconds,
             "not_parametric": dict(self.not_parametric),
@@ -156,7 +158,7 @@ class Stats:
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
-            f"({self.compile_seconds:.3f} s), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
+            f"({self.compile_seconds:.3f} s; {self.cached_compiles} served by the compile cache), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
             f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s), "
             f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",
