@@ -27,10 +27,13 @@ MODES = ("eager", "adaptive", "compiled")
 @dataclass
 class Outcome:
     """What a program computed, everything on the CPU: per-step losses, final tensors (parameters,
-    optimizer state, validation outputs) and exact values (token ids, counts)."""
+    optimizer state, validation outputs) and exact values (token ids, counts), all held to the CPU
+    run's; and `checks`, what must hold of the run under test alone (interrupts really delivered:
+    how many land in the CPU run is a matter of its speed, not of correctness)."""
     losses: list[float]
     tensors: dict[str, torch.Tensor]
     exact: dict[str, object] = field(default_factory=dict)
+    checks: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ def compare(got: Outcome, want: Outcome, tol: Tolerance) -> tuple[float, list[st
     for key, value in want.exact.items():
         if got.exact.get(key) != value:
             problems.append(f"{key}: {got.exact.get(key)!r} vs CPU {value!r}")
+    problems += [f"not so: {check}" for check, holds in got.checks.items() if not holds]
     return worst, problems
 
 
