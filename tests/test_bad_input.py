@@ -20,6 +20,7 @@ BAD_VALUES = {
     "device": ["trn9", "", 2, None, "cuda"],
     "cache_dir": [5, 1.5, ["/tmp"], object()],
     "cache_key_file": [5, 1.5, ["/tmp/key"], object()],
+    "cache_limit_mb": [0, -1, 1.5, "lots", float("inf"), None],
     "recompile_limit": [-1, 0.5, "many", float("inf"), False],
     "generalise_limit": [-1, 1.5, "twice", float("nan"), None],
     "specialisation_limit": [0, -2, 2.5, "all", float("inf")],
@@ -32,7 +33,7 @@ BAD_VALUES = {
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
-           "cache_key_file": "file path",
+           "cache_key_file": "file path", "cache_limit_mb": ">= 1",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
            "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",

@@ -5,6 +5,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -137,3 +138,41 @@ def test_xdg_cache_home_moves_the_default_and_off_keeps_regions_in_memory(tmp_pa
 def test_cache_dir_off_none_or_empty_is_memory_only(value):
     with tilewise.config.patch(cache_dir=value):
         assert tilewise.config.cache_dir is None
+
+
+def _sines(k: int):
+    """A different 60-op graph per k: its entry is ~280 KB (mostly the pass log)."""
+    def fn(x):
+        for i in range(60):
+            x = torch.sin(x * (1.0 + k) + i)
+        return x
+    return fn
+
+
+def test_the_disk_cache_keeps_within_its_limit_deleting_the_least_recently_used(tmp_path):
+    x = torch.randn(8, 8)
+    graphs = [make_fx(_sines(k))(x) for k in range(4)]
+    directory = tmp_path / "cache"
+    names = [f"{cache.cache_key(gm, [x], tilewise.DEVICE.spec)}.twc" for gm in graphs]
+    with tilewise.config.patch(cache_dir=str(directory), cache_key_file=str(tmp_path / "cache.key"),
+                               cache_limit_mb=1, host_backend="torch"):
+        for gm in graphs[:3]:
+            compile_graph(gm, [x])
+            time.sleep(0.01)  # distinct modification times
+        assert sorted(os.listdir(directory)) == sorted(names[:3])
+        assert 3 * 200_000 < sum(os.path.getsize(directory / n) for n in names[:3]) <= 2**20
+        cache.clear_memory()
+        hits, evictions = cache.stats.disk_hits, cache.stats.evictions
+        compile_graph(graphs[0], [x])  # read: now the most recently used
+        assert cache.stats.disk_hits == hits + 1
+        time.sleep(0.01)
+        compiled = compile_graph(graphs[3], [x])  # past 1 MiB: the least recently used goes
+        assert sorted(os.listdir(directory)) == sorted([names[0], names[2], names[3]])
+        assert cache.stats.evictions == evictions + 1
+        assert sum(os.path.getsize(directory / n) for n in os.listdir(directory)) <= 0.9 * 2**20
+        torch.testing.assert_close(compiled.run(x)[0], _sines(3)(x), rtol=0, atol=0)
+        cache.clear_memory()
+        compiles = cache.stats.compiles
+        compile_graph(graphs[1], [x])  # evicted: compiled again, and kept again
+        assert cache.stats.compiles == compiles + 1 and names[1] in os.listdir(directory)
+    cache.clear_memory()

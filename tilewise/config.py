@@ -117,6 +117,8 @@ SETTINGS: dict[str, Setting] = {
     "cache_dir": Setting(_default_cache_dir(), "TILEWISE_CACHE_DIR", _cache_dir,
                          "directory where compiled regions and their native code are kept across processes "
                          f"(authenticated with cache_key_file); '{CACHE_OFF}' or None: memory only"),
+    "cache_limit_mb": Setting(2048, "TILEWISE_CACHE_LIMIT_MB", _int_at_least(1),
+                              "MiB the disk cache may hold; past it the least recently used entries are deleted"),
     "cache_key_file": Setting(_default_key_file(), "TILEWISE_CACHE_KEY_FILE", _key_file,
                               "per-user secret (0600, made on first use) that authenticates disk cache entries"),
     "recompile_limit": Setting(8, "TILEWISE_RECOMPILE_LIMIT", _int_at_least(0),

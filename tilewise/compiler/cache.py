@@ -20,7 +20,8 @@ small function below:
   key and compiler version;
 - the payload is then rebuilt by `serialize`, which trusts no string in it.
 A check that fails is a RuntimeWarning (once per message), counted in `stats`, and the region is
-compiled again; nothing from disk is executed or unpickled.
+compiled again; nothing from disk is executed or unpickled. The directory keeps within
+`config.cache_limit_mb`: each write deletes the least recently written or read files past it.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class CacheStats:
         self.untrusted = 0   # files and directories refused by owner, mode, type or symlink (warned once)
         self.disk_errors = 0  # cache directory, key or entry that could not be used (warned once)
         self.native_disk_hits = self.native_disk_writes = 0  # native libraries read from / written to disk
+        self.evictions = 0   # entries and libraries deleted to keep the disk cache within cache_limit_mb
 
 
 stats = CacheStats()
@@ -374,6 +376,7 @@ def _store(disk: _Disk, key: str, compiled: CompiledRegion) -> None:
         _warn_once(f"tilewise: could not write the compile cache entry {disk.path(key)}: {error}")
         return
     stats.disk_writes += 1
+    _evict(disk, kept=_entry_name(key))
 
 
 def _read_authenticated(disk: _Disk, name: str, what: str, instead: str) -> bytes | None:
@@ -396,7 +399,49 @@ def _read_authenticated(disk: _Disk, name: str, what: str, instead: str) -> byte
     if payload is None:
         stats.corrupt += 1
         _warn_once(f"tilewise: {what} {path} is corrupt, truncated, or not written with this user's key; {instead}")
+        return None
+    try:  # used now: the last to be evicted
+        os.utime(name, dir_fd=disk.fd, follow_symlinks=False)
+    except OSError:
+        pass
     return payload
+
+
+_CACHE_SUFFIXES = (".twc", ".so.twn")
+
+
+def _evict(disk: _Disk, kept: str) -> None:
+    """While the cache's files hold more than `config.cache_limit_mb`, delete the least recently
+    used (written or read) down to 90% of it, so not every write deletes again; never `kept`, the
+    file just written. Only regular files named as entries or libraries are counted or deleted."""
+    limit = config.cache_limit_mb * 2**20
+    files, total = [], 0
+    try:
+        with os.scandir(disk.fd) as listing:
+            for entry in listing:
+                if entry.name.endswith(_CACHE_SUFFIXES) and entry.is_file(follow_symlinks=False):
+                    info = entry.stat(follow_symlinks=False)
+                    files.append((info.st_mtime_ns, entry.name, info.st_size))
+                    total += info.st_size
+    except OSError as error:  # a file deleted while listed, an unreadable directory: evict next time
+        stats.disk_errors += 1
+        _warn_once(f"tilewise: could not list the compile cache {disk.directory} to bound its size: {error}")
+        return
+    if total <= limit:
+        return
+    for _, name, size in sorted(files):
+        if total <= 0.9 * limit:
+            break
+        if name == kept:
+            continue
+        try:
+            os.unlink(name, dir_fd=disk.fd)
+            stats.evictions += 1
+        except FileNotFoundError:  # another process evicted it meanwhile
+            pass
+        except OSError:  # cannot delete it now: the next write tries again
+            continue
+        total -= size
 
 
 def _load(disk: _Disk, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
@@ -481,10 +526,10 @@ def store_native(key: str, library: bytes, where: Location) -> None:
         except BaseException:
             os.unlink(temporary, dir_fd=disk.fd)
             raise
+        stats.native_disk_writes += 1
+        _evict(disk, kept=_native_name(key))
     except OSError as error:
         stats.disk_errors += 1
         _warn_once(f"tilewise: could not write native library {_native_name(key)} to {disk.directory}: {error}")
-        return
     finally:
         os.close(disk.fd)
-    stats.native_disk_writes += 1
