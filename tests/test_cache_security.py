@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
 from tilewise.compiler import cache, compile_graph, serialize
+from tilewise.compiler import disk as disk_files  # `disk` is the fixture below
 
 def _fn(x):
     return torch.tanh(x) * 2 + 1
@@ -96,7 +97,7 @@ def test_a_legitimate_entry_round_trips_from_disk(disk):
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
     assert mode(disk.entry()) == 0o600 and mode(disk.cache_dir) == 0o700
     assert mode(disk.key_file) == 0o600 and mode(disk.key_file.parent) == 0o700
-    assert len(disk.key_file.read_bytes()) == cache.KEY_BYTES
+    assert len(disk.key_file.read_bytes()) == disk_files.KEY_BYTES
     assert not [p for p in disk.cache_dir.iterdir() if p.suffix != ".twc"]  # no temporary file left
 
 
@@ -121,7 +122,7 @@ def test_the_key_is_made_once_even_when_threads_race_for_it(tmp_path):
 
     def make():
         barrier.wait()
-        keys.append(cache._secret(str(key_file)))
+        keys.append(disk_files._secret(str(key_file)))
 
     threads = [threading.Thread(target=make) for _ in range(8)]
     for thread in threads:
@@ -143,10 +144,10 @@ def test_an_entry_written_without_the_key_is_refused(forgery, disk):
     assert swapped != payload
     entry.write_bytes({
         "op swapped, sha256 rehashed": hashlib.sha256(swapped).hexdigest().encode() + b"\n" + swapped,
-        "op swapped, signed with another key": disk.sign(swapped, key=os.urandom(cache.KEY_BYTES)),
+        "op swapped, signed with another key": disk.sign(swapped, key=os.urandom(disk_files.KEY_BYTES)),
         "truncated": entry.read_bytes()[:-40],
         "mac edited": b"0" * 64 + b"\n" + payload,
-        "not utf-8": disk.sign(b"\xff\xfe" + payload, key=os.urandom(cache.KEY_BYTES)),
+        "not utf-8": disk.sign(b"\xff\xfe" + payload, key=os.urandom(disk_files.KEY_BYTES)),
     }[forgery])
     with pytest.warns(RuntimeWarning, match="not written with this user's key"):
         _, moved = _load_again()  # tanh, not the planted sigmoid

@@ -166,10 +166,10 @@ _library_lock = threading.Lock()
 
 
 def load(source: str, where=None) -> ctypes.PyDLL:
-    """The loaded library for `source`: from memory, the disk cache at `where` (a cache.Location;
+    """The loaded library for `source`: from memory, the disk cache at `where` (a disk.Location;
     None: where the settings say now), or built now."""
-    from . import cache
-    where = where or cache.location()
+    from . import cache, disk
+    where = where or disk.location()
     key = library_key(source)
     with _library_lock:
         if key in _libraries:
@@ -308,7 +308,7 @@ class HostExecutable:
         self.ready = threading.Event()
         self.ready.set()
         self.runs_to_build = 0  # armed: runs left before the background build starts
-        self.where = None  # the disk cache a started build reads and writes (cache.Location)
+        self.where = None  # the disk cache a started build reads and writes (disk.Location)
         self.trial: _Trial | None = None
         self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
 
@@ -353,8 +353,8 @@ class HostExecutable:
             self._fail(f"tilewise: no C compiler ({C_COMPILER!r}) found; compiled regions run their PyTorch "
                        f"executable (host_backend=native needs one)")
             return
-        from . import cache
-        self.where = cache.location()  # the cache of the block that asked for the build
+        from . import disk
+        self.where = disk.location()  # the cache of the block that asked for the build
         self.tier = Tier.COMPILING
         self.ready.clear()
         _worker().put(self)
