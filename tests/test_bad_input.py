@@ -29,6 +29,7 @@ BAD_VALUES = {
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
     "host_backend": ["fast", "", 3, None, "cuda", ["native"]],
+    "background_compile": ["yes", "", 1, True, None, ["on"]],
     "cores": [0, -2, 1.5, "8", float("nan")],
 }
 # What the message must name: the allowed values, or the bound.
@@ -37,7 +38,7 @@ ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_d
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
            "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
-           "host_backend": "native, torch", "cores": ">= 1"}
+           "host_backend": "native, torch", "background_compile": "on, off", "cores": ">= 1"}
 
 
 def test_every_setting_has_bad_values_listed():

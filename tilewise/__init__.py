@@ -1,6 +1,6 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
 from . import device, distributed, eager
-from .adaptive import engine, explain, reset_caches, stats, sync
+from .adaptive import engine, explain, reset_caches, stats, sync, wait_for_compiles
 from .config import config
 from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
@@ -8,5 +8,5 @@ from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseEr
 eager.install()
 
 __version__ = "0.1.0"
-__all__ = ["engine", "explain", "reset_caches", "stats", "sync", "ConfigError", "DEVICE", "DeviceError", "DeviceSpec", "NeuronOutOfMemoryError",
+__all__ = ["engine", "explain", "reset_caches", "stats", "sync", "wait_for_compiles", "ConfigError", "DEVICE", "DeviceError", "DeviceSpec", "NeuronOutOfMemoryError",
            "TilewiseError", "config"]

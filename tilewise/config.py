@@ -18,6 +18,7 @@ from .errors import ConfigError
 MODES = ("eager", "adaptive", "compiled")
 DEVICES = ("trn2", "trn3")
 HOST_BACKENDS = ("native", "torch")
+ON_OFF = ("on", "off")
 
 
 def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
@@ -140,6 +141,10 @@ SETTINGS: dict[str, Setting] = {
                             "what a compiled region runs on the host: its kernels as C compiled with the "
                             "system C compiler (native; built in the background, PyTorch meanwhile) or its "
                             "graph op by op with PyTorch's CPU kernels (torch)"),
+    "background_compile": Setting("off", "TILEWISE_BACKGROUND_COMPILE", _choice(ON_OFF),
+                                  "adaptive mode: on compiles regions in a compile process while the steps go "
+                                  "on, their ops running eagerly until the code is ready; off: the step waits "
+                                  "for the compile (compiled mode always does)"),
     "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
                                "most recent kernels the timeline keeps for trace export"),
 }

@@ -1,4 +1,4 @@
 """The adaptive engine: op-stream tracer, lazy segments, stability analysis, region cache, stats."""
-from .engine import RUNTIME, engine, explain, reset_caches, stats, sync
+from .engine import RUNTIME, engine, explain, reset_caches, stats, sync, wait_for_compiles
 
-__all__ = ["RUNTIME", "engine", "explain", "reset_caches", "stats", "sync"]
+__all__ = ["RUNTIME", "engine", "explain", "reset_caches", "stats", "sync", "wait_for_compiles"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import ConfigError
-from .policy import Mode, Settings
+from .policy import Mode, Settings, compiles_in_background
 from .regions import CompiledEntry
 from .runtime import ENGINE_EXITED, Runtime
 from .stats import Stats
@@ -30,7 +30,10 @@ class engine:
     def __enter__(self) -> Stats:
         DEVICE.refresh_from_config()
         RUNTIME.flush("engine entered")
-        tracer = Tracer(RUNTIME, Settings(self.mode, self.threshold, config.max_segment_ops))
+        settings = Settings(self.mode, self.threshold, config.max_segment_ops, config.background_compile == "on")
+        if compiles_in_background(settings):
+            start_compile_process()  # its imports take seconds: they overlap the warm-up steps
+        tracer = Tracer(RUNTIME, settings)
         tracer.__enter__()
         self._entered.append(tracer)
         return RUNTIME.stats
@@ -49,6 +52,18 @@ class engine:
 def sync() -> None:
     """Compute everything pending: a step marker for loops that read no value back."""
     RUNTIME.flush("tilewise.sync()")
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Wait until the regions compiling in the background are compiled (they are put to use at
+    the next flush that meets them); False if `timeout` seconds passed first."""
+    from ..compiler.background import PROCESS
+    return PROCESS.wait_all(timeout)
+
+
+def start_compile_process() -> None:
+    from ..compiler.background import PROCESS
+    PROCESS.start()
 
 
 def stats() -> Stats:

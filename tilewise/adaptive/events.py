@@ -37,6 +37,7 @@ class RegionCompiled:
     kernels: int
     refused: list = field(default_factory=list)   # (what, why) of fusions the compiler refused
     cached: bool = False  # served by the compiler's cache (memory, or disk: an earlier process's compile)
+    background_seconds: float = 0.0  # the compile's time in the compile process (`seconds`: this process's)
 
 
 class EventStream:

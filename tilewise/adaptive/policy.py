@@ -41,6 +41,7 @@ class Settings(NamedTuple):
     mode: Mode
     threshold: int
     max_segment_ops: int
+    background_compile: bool = False  # config.background_compile == "on"
 
 
 class Verdict(enum.Enum):
@@ -53,6 +54,13 @@ class Verdict(enum.Enum):
 class Decision(NamedTuple):
     verdict: Verdict
     reason: Reason | None = None
+
+
+def compiles_in_background(settings: Settings) -> bool:
+    """Adaptive mode compiles a region in the compile process and runs its ops eagerly until the
+    code is there (a tiered JIT: no step waits for the passes); compiled mode was asked to compile
+    everything at first sight, and waits for it."""
+    return settings.background_compile and settings.mode is Mode.ADAPTIVE
 
 
 def native_after_runs(mode: Mode) -> int | None:

@@ -29,8 +29,8 @@ from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
 from .regions import (CompiledEntry, Region, RegionStep, build_graph, describe,
                       mixes_dtypes_on_shared_storage, needed_values)
-from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss,
-                     native_after_runs, runs_now, stable_after)
+from .policy import (Mode, Reason, Settings, Verdict, Why, compiles_in_background, copies_to_host, draws_random,
+                     native_after_runs, on_region_miss, runs_now, stable_after)
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -43,6 +43,13 @@ ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
 _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+class Compiling(NamedTuple):
+    """A region compiling in the background: the job, and the graph it was asked for (the
+    compiled region's recorded form)."""
+    job: object  # compiler.background.Job
+    gm: torch.fx.GraphModule
 
 
 class OpInfo(NamedTuple):
@@ -85,6 +92,7 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
+        self.compiling = 0  # regions compiling in the background (their cache value is a Compiling)
         self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
@@ -358,6 +366,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         entry = self.regions.get(region.key)
         if entry is _FAILED:
             return None
+        if type(entry) is Compiling:
+            return self._when_compiled(segment, region, entry)
         if entry is not None:
             self.regions.touch(region.key)
             return entry
@@ -395,27 +405,64 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region):
-        from ..compiler import cache, compile_graph  # the compiler layer sits below; imported on first use
+        """The region compiled now, or (compiling in the background) None while its ops run eagerly."""
+        from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
 
-        name = f"region{len(self.stats.regions) + 1}"
+        name = f"region{len(self.stats.regions) + self.compiling + 1}"
         started = time.perf_counter()
         passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
+        after = native_after_runs(segment.settings.mode)
         try:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
-            compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
-                                               native_after_runs=native_after_runs(segment.settings.mode))
+            if compiles_in_background(segment.settings):
+                compiled = self.in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
+            else:
+                compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
+                                                   native_after_runs=after)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        if isinstance(compiled, background.Job):
+            self.regions.put(region.key, Compiling(compiled, gm))
+            self.compiling += 1
+            self.stats.background_compiles += 1
+            self.stats.compiling_ops += len(region.nodes)
+            return None
+        return self._compiled(segment, region, compiled, started, cached=cache.stats.compiles == passes_run)
+
+    def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
+        """The region compiling in the background, put to use once it is compiled; None until then."""
+        from ..compiler import finish
+
+        job = compiling.job
+        if not job.done():
+            self.stats.compiling_ops += len(region.nodes)
+            return None
+        self.compiling -= 1
+        if job.lost is not None:  # the compile process failed (it warned): compile here instead
+            del self.regions[region.key]
+            return self._compile(segment, region)
+        started = time.perf_counter()
+        try:
+            compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
+                                               native_after_runs(segment.settings.mode))
+        except Exception as error:
+            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+        return self._compiled(segment, region, compiled, started, background_seconds=job.seconds)
+
+    def _compiled(self, segment: Segment, region: Region, compiled, started: float, cached: bool = False,
+                  background_seconds: float = 0.0) -> CompiledEntry:
+        """Cache a region's compile and tell the statistics; `started`: when this process began the
+        work (the compile, or taking in a background compile's result)."""
         seconds = time.perf_counter() - started
-        DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
-        entry = CompiledEntry(compiled, region, seconds, name,
+        DEVICE.timeline.host("compilation", compiled.name, started, seconds, ops=len(region.nodes))
+        entry = CompiledEntry(compiled, region, seconds, compiled.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions.put(region.key, entry)
         self.events.publish(events.RegionCompiled(
-            name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
+            compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
-            cached=cache.stats.compiles == passes_run))
+            cached=cached, background_seconds=background_seconds))
         return entry
 
     @staticmethod

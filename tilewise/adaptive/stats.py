@@ -46,6 +46,12 @@ class Stats:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.cached_compiles = 0     # of the compiles, served by the compiler's cache (disk: an earlier run's)
+        # adaptive mode, background compiles: regions sent to the compile process, its seconds on
+        # the compiles it finished (compile_seconds holds only this process's part), and the ops
+        # that ran eagerly while their region was compiling
+        self.background_compiles = 0
+        self.background_seconds = 0.0
+        self.compiling_ops = 0
         self.recompiles = 0
         # per-size tile programs of shape-generic regions (cheap: no decomposition; not compiles)
         self.specialisations = 0
@@ -70,6 +76,7 @@ class Stats:
         self.compiles += 1
         self.compile_seconds += event.seconds
         self.cached_compiles += event.cached
+        self.background_seconds += event.background_seconds
         self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20])
 
     def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
@@ -131,7 +138,9 @@ class Stats:
             "transfers": self.transfers, "random_draws": self.random_draws, "warmup_ops": self.warmup_ops,
             "compiled_fraction": self.compiled_fraction,
             "regions_found": self.regions_found, "compiles": self.compiles,
-            "compile_seconds": self.compile_seconds, "cached_compiles": self.cached_compiles, "recompiles": self.recompiles,
+            "compile_seconds": self.compile_seconds, "cached_compiles": self.cached_compiles,
+            "background_compiles": self.background_compiles, "background_seconds": self.background_seconds,
+            "compiling_ops": self.compiling_ops, "recompiles": self.recompiles,
             "specialisations": self.specialisations, "specialise_seconds": self.specialise_seconds,
             "evaluated_sizes": self.evaluated_sizes, "evaluate_seconds": self.evaluate_seconds,
             "not_parametric": dict(self.not_parametric),
@@ -159,6 +168,8 @@ class Stats:
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
             f"({self.compile_seconds:.3f} s; {self.cached_compiles} served by the compile cache), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
+            f"{self.background_compiles} sent to the compile process ({self.background_seconds:.3f} s there; "
+            f"{self.compiling_ops} ops eager while their region compiled); "
             f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s), "
             f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",

@@ -14,6 +14,7 @@ entry that fails is compiled again; nothing from disk is executed or unpickled.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import hashlib
 import json
@@ -61,25 +62,78 @@ def _input_meta(t, storages: dict) -> tuple:
 
 def compile_cached(gm, example_inputs, spec, name) -> CompiledRegion:
     key = cache_key(gm, example_inputs, spec)
-    if key in _memory:
-        stats.memory_hits += 1
-        _memory.move_to_end(key)
-        return _labelled(_memory[key], name)
-    disk = open_disk() if config.cache_dir else None
-    try:
-        compiled = _load(disk, key, spec, gm) if disk else None
+    compiled = _from_memory(key, name)
+    if compiled is not None:
+        return compiled
+    with _opened_disk() as disk:
+        compiled = _from_disk(disk, key, spec, gm, name)
         if compiled is None:
             stats.compiles += 1
             compiled = compile_uncached(gm, example_inputs, spec, name)
-            if disk:
-                _store(disk, key, compiled)
+            _remember(disk, key, compiled, lambda: entry_payload(key, compiled))
+    return compiled
+
+
+def lookup(gm, example_inputs, spec, name) -> tuple[str, CompiledRegion | None]:
+    """The region's cache key, and the compiled region from memory or disk (None: not cached)."""
+    key = cache_key(gm, example_inputs, spec)
+    compiled = _from_memory(key, name)
+    if compiled is None:
+        with _opened_disk() as disk:
+            compiled = _from_disk(disk, key, spec, gm, name)
+    return key, compiled
+
+
+def adopt(key: str, payload: bytes, spec, gm, name) -> CompiledRegion:
+    """The region the compile process compiled (`payload`: its entry, as a disk file holds it),
+    kept in memory and on disk as a compile here would be."""
+    compiled = _decode(payload, key, spec, gm)
+    if compiled is None:
+        raise CompileError("the compile process sent an entry that does not decode")
+    stats.compiles += 1
+    with _opened_disk() as disk:
+        _remember(disk, key, compiled, lambda: payload)
+    return _labelled(compiled, name)
+
+
+def _from_memory(key: str, name: str) -> CompiledRegion | None:
+    if key not in _memory:
+        return None
+    stats.memory_hits += 1
+    _memory.move_to_end(key)
+    return _labelled(_memory[key], name)
+
+
+def _from_disk(disk: Disk | None, key: str, spec, gm, name: str) -> CompiledRegion | None:
+    compiled = _load(disk, key, spec, gm) if disk else None
+    if compiled is None:
+        return None
+    _keep_in_memory(key, compiled)
+    return _labelled(compiled, name)
+
+
+@contextlib.contextmanager
+def _opened_disk():
+    """The cache directory, opened and checked (None: memory only, or refused with a warning)."""
+    disk = open_disk() if config.cache_dir else None
+    try:
+        yield disk
     finally:
         if disk:
             os.close(disk.fd)
+
+
+def _remember(disk: Disk | None, key: str, compiled: CompiledRegion, payload) -> None:
+    """Keep a new compile in memory and, with a cache directory, on disk (`payload()`: its entry)."""
+    _keep_in_memory(key, compiled)
+    if disk:
+        _store(disk, key, payload)
+
+
+def _keep_in_memory(key: str, compiled: CompiledRegion) -> None:
     _memory[key] = compiled
     if len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
-    return _labelled(compiled, name)
 
 
 def _labelled(compiled: CompiledRegion, name: str) -> CompiledRegion:
@@ -100,7 +154,8 @@ def _entry_name(key: str) -> str:
     return key + ENTRY_SUFFIX
 
 
-def _payload(key: str, compiled: CompiledRegion) -> bytes:
+def entry_payload(key: str, compiled: CompiledRegion) -> bytes:
+    """The entry as stored: what a disk file holds after its HMAC line, and the compile process sends."""
     return json.dumps({
         "key": key, "version": COMPILER_VERSION, "name": compiled.name, "graph": graph_to_json(compiled.gm),
         "launches": [launch_to_json(launch) for launch in compiled.launches], "cost": compiled.cost,
@@ -109,11 +164,11 @@ def _payload(key: str, compiled: CompiledRegion) -> bytes:
     }).encode()
 
 
-def _store(disk: Disk, key: str, compiled: CompiledRegion) -> None:
-    """Write the entry atomically (a new private file renamed into place); a failure costs the
-    cache, not the compile."""
+def _store(disk: Disk, key: str, payload) -> None:
+    """Write the entry (`payload()`) atomically (a new private file renamed into place); a failure
+    costs the cache, not the compile."""
     try:
-        write_signed(disk, _entry_name(key), _payload(key, compiled))
+        write_signed(disk, _entry_name(key), payload())
     except (OSError, CompileError, TypeError, ValueError) as error:  # full disk, unstorable constant
         stats.disk_errors += 1
         warn_once(f"tilewise: could not write the compile cache entry {disk.path(_entry_name(key))}: {error}")

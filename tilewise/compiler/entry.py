@@ -1,5 +1,5 @@
-"""The compiler's entry point: check the arguments, compile through the cache (memory, then disk,
-then the passes), and arm the region's native tier."""
+"""The compiler's entry points: check the arguments, compile through the cache (memory, then disk,
+then the passes, here or in the compile process), and arm the region's native tier."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ import torch
 from ..config import config
 from ..device.spec import DeviceSpec
 from ..errors import CompileError, ConfigError
-from . import cache
+from . import background, cache
 from .driver import CompiledRegion
 
 
@@ -19,7 +19,33 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec | N
         from ..device.runtime import DEVICE
         spec = DEVICE.spec
     _check_arguments(gm, example_inputs, spec, name)
-    compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
+    return _armed(cache.compile_cached(gm, list(example_inputs), spec, name), native_after_runs)
+
+
+def compile_in_background(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str,
+                          native_after_runs: int | None = None) -> CompiledRegion | background.Job:
+    """The region from the compiler's cache, else the Job compiling it in the compile process
+    (`finish` it once done); compiled here, as `compile_graph` does, when the process is unusable
+    or the graph cannot go to it."""
+    _check_arguments(gm, example_inputs, spec, name)
+    key, compiled = cache.lookup(gm, list(example_inputs), spec, name)
+    if compiled is None:
+        job = background.PROCESS.submit(key, gm, example_inputs, spec, name)
+        if job is not None:
+            return job
+        compiled = cache.compile_cached(gm, list(example_inputs), spec, name)
+    return _armed(compiled, native_after_runs)
+
+
+def finish(job: background.Job, gm: torch.fx.GraphModule, spec: DeviceSpec,
+           native_after_runs: int | None = None) -> CompiledRegion:
+    """The region a done job compiled, cached as if compiled here; a CompileError if it failed."""
+    if job.error is not None:
+        raise CompileError(job.error)
+    return _armed(cache.adopt(job.key, job.payload, spec, gm, job.name), native_after_runs)
+
+
+def _armed(compiled: CompiledRegion, native_after_runs: int | None) -> CompiledRegion:
     if config.host_backend == "native":
         compiled.arm_native(native_after_runs)
     return compiled

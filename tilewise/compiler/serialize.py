@@ -23,7 +23,7 @@ import torch
 from ..errors import CompileError
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
-_NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims}
+NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NODE_FIELDS = {"name", "op", "target", "args", "kwargs"}
 
@@ -126,13 +126,13 @@ def _resolve_op(qualified) -> torch._ops.OpOverload:
     """The registered overload `namespace.packet.overload` names, and nothing else: the lookup goes
     through the registry, and what it returns must be that very overload."""
     parts = qualified.split(".") if isinstance(qualified, str) else []
-    if len(parts) != 3 or parts[0] not in _NAMESPACES:
+    if len(parts) != 3 or parts[0] not in NAMESPACES:
         raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (aten and prims only)")
     namespace, packet, overload = parts
     if not all(_IDENTIFIER.match(p) and not p.startswith("__") for p in (packet, overload)):
         raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (not an op name)")
     try:
-        op = getattr(getattr(_NAMESPACES[namespace], packet), overload)
+        op = getattr(getattr(NAMESPACES[namespace], packet), overload)
     except (AttributeError, RuntimeError) as error:
         raise CompileError(f"op {qualified!r} of a compile cache entry is not registered") from error
     if not isinstance(op, torch._ops.OpOverload) or encode(op) != {"op": qualified}:

@@ -1,0 +1,178 @@
+"""Adaptive mode compiling in the background (`background_compile="on"`): the steps go on eagerly
+while the compile process compiles, the region switches when its code is there, and every value
+is CPU's throughout; a compile process that cannot start or dies costs the background, not the
+region."""
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import tilewise
+from tilewise.compiler import background, cache, compile_graph, compile_in_background, disk, finish, worker
+from tilewise.compiler.serialize import graph_to_json
+from tilewise.workloads import MLP
+
+TIMEOUT = 240  # seconds a compile process may take to start and compile on a loaded machine
+
+
+@pytest.fixture
+def process(monkeypatch):
+    """A compile process of the test's own (a broken one must not outlive the test), nothing in the
+    compiler's memory cache, and its warnings not yet given."""
+    fresh = background.CompileProcess()
+    monkeypatch.setattr(background, "PROCESS", fresh)
+    monkeypatch.setattr(disk, "_warned", set())
+    cache.clear_memory()
+    with tilewise.config.patch(background_compile="on"):
+        yield fresh
+    fresh.close()
+
+
+def _data(steps):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(steps)]
+
+
+def _trainer(device):
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return model, step
+
+
+def _train_cpu(batches):
+    model, step = _trainer("cpu")
+    return [step(x, y) for x, y in batches], model
+
+
+def test_training_runs_eagerly_while_compiling_then_switches_and_matches_cpu(process):
+    batches = _data(12)
+    model, step = _trainer("neuron")
+    losses = []
+    with tilewise.engine(mode="adaptive", threshold=2):
+        for x, y in batches[:6]:
+            losses.append(step(x, y))
+        sent = tilewise.stats().background_compiles
+        assert sent >= 1 and tilewise.stats().compiling_ops > 0
+        assert tilewise.wait_for_compiles(timeout=TIMEOUT)
+        for x, y in batches[6:]:
+            losses.append(step(x, y))
+    stats = tilewise.stats()
+    assert stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
+    assert stats.background_seconds > 0 and stats.compile_seconds < stats.background_seconds
+    assert "sent to the compile process" in stats.report()
+    expected, reference = _train_cpu(batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
+
+
+def _region():
+    fn = lambda x, w: (torch.softmax(x * 2, -1), torch.relu(x @ w))  # noqa: E731
+    x, w = torch.randn(130, 20), torch.randn(20, 7)
+    return fn, make_fx(fn)(x, w), [x, w]
+
+
+def test_the_compile_process_compiles_what_this_process_would(process):
+    fn, gm, inputs = _region()
+    job = compile_in_background(gm, inputs, tilewise.DEVICE.spec, "regionA")
+    assert isinstance(job, background.Job) and job.wait(TIMEOUT)
+    there = finish(job, gm, tilewise.DEVICE.spec)
+    cache.clear_memory()
+    here = compile_graph(gm, inputs, name="regionA")
+    assert there.name == "regionA" and len(there.kernels) == len(here.kernels) > 0
+    assert [c[1:] for c in there.cost] == [c[1:] for c in here.cost]  # engine, seconds, bytes, flops
+    for got, tiles, want in zip(there.run(*inputs), there.interpret(*inputs), fn(*inputs)):
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(tiles, want, rtol=1e-5, atol=1e-5)
+    # once compiled, the region is the cache's: asking again is served at once, with no job
+    assert compile_in_background(gm, inputs, tilewise.DEVICE.spec, "regionB").name == "regionB"
+
+
+def test_a_dead_compile_process_warns_and_the_regions_compile_here(process):
+    assert process.start()
+    process._process.kill()
+    process._process.wait()
+    batches = _data(8)
+    model, step = _trainer("neuron")
+    with pytest.warns(RuntimeWarning, match="background compile process failed"):
+        with tilewise.engine(mode="adaptive", threshold=2):
+            losses = [step(x, y) for x, y in batches]
+    stats = tilewise.stats()
+    assert process.broken and stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
+    expected, _ = _train_cpu(batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_a_process_that_cannot_start_leaves_compiling_here(process, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "")
+    fn, gm, inputs = _region()
+    with pytest.warns(RuntimeWarning, match="sys.executable is empty"):
+        compiled = compile_in_background(gm, inputs, tilewise.DEVICE.spec, "region1")
+    assert not isinstance(compiled, background.Job) and len(compiled.kernels) > 0
+    assert not process.start()
+
+
+def test_a_graph_of_other_than_aten_ops_compiles_here(process):
+    gm = torch.fx.symbolic_trace(lambda x: torch.sin(x) + 1)  # torch.sin, not an aten overload
+    assert not background.carries(gm)
+    assert process.submit("key", gm, [torch.randn(3)], tilewise.DEVICE.spec, "region1") is None
+    assert background.carries(make_fx(lambda x: torch.sin(x) + 1)(torch.randn(3)))
+
+
+def test_the_worker_replies_with_the_error_and_goes_on_to_the_next_request():
+    fn, gm, inputs = _region()
+    good = {"id": 7, "key": "k", "name": "region1", "graph": graph_to_json(gm),
+            "spec": dataclasses.asdict(tilewise.DEVICE.spec),
+            "inputs": [worker.layout_of(t, {}) for t in inputs]}
+    bad = dict(good, id=6, inputs=good["inputs"][:1])  # one input short
+    replies = io.BytesIO()
+    worker.serve(io.BytesIO(b"".join(json.dumps(r).encode() + b"\n" for r in (bad, good))), replies)
+    replies.seek(0)
+    first = json.loads(replies.readline())
+    assert first["id"] == 6 and first["error"] and first["bytes"] == 0
+    second = json.loads(replies.readline())
+    assert second["id"] == 7 and second["error"] is None
+    entry = json.loads(replies.read(second["bytes"]))
+    assert entry["key"] == "k" and entry["name"] == "region1" and entry["launches"]
+
+
+def test_inputs_sharing_storage_share_it_in_the_compile_process():
+    base = torch.randn(40)
+    a, b, c = base[:20].view(4, 5), base[10:30], torch.randn(3).expand(2, 3)
+    storages, bases = {}, {}
+    rebuilt = [worker.input_from(json.loads(json.dumps(worker.layout_of(t, storages))), bases) for t in (a, b, c, 2.5)]
+    for got, want in zip(rebuilt, (a, b, c)):
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype) == \
+            (want.shape, want.stride(), want.storage_offset(), want.dtype)
+    assert rebuilt[0].untyped_storage()._cdata == rebuilt[1].untyped_storage()._cdata != \
+        rebuilt[2].untyped_storage()._cdata
+    assert rebuilt[3] == 2.5
+
+
+def test_no_compile_process_unless_asked():
+    script = textwrap.dedent("""
+        import torch, tilewise
+        from tilewise.compiler import background
+        with tilewise.engine(mode="adaptive"):
+            (torch.ones(3, device="neuron") * 2).cpu()
+        print(background.PROCESS._process is None)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TILEWISE_BACKGROUND_COMPILE"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]

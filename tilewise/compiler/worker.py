@@ -1,0 +1,93 @@
+"""The compile process (`python -m tilewise.compiler`, started by `background.py`) and its wire.
+
+It runs the passes for its parent, so the parent's steps go on while a region compiles (on the
+other core, with a GIL of its own: a compile thread in the parent slowed its steps 10-50x). The
+wire is data only, both ways, one request at a time:
+- a request is one line of JSON: the region's graph in the disk cache's form (serialize.py, so it
+  is the graph the parent keyed, not a re-trace of it), its inputs' layouts, the DeviceSpec's fields,
+  the cache key and the region's name;
+- a reply is one line of JSON (`id`, `error`, `bytes`) followed by `bytes` bytes: the disk cache
+  entry of the compiled region (cache.entry_payload), which the parent decodes as it would a file
+  of its cache.
+The process ends when its parent closes the request pipe (or dies).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def layout_of(value, storages: dict):
+    """A region input as the compile sees it: a tensor's layout (values do not matter: the passes
+    trace fake tensors and the smoke run uses zeros), inputs sharing storage numbered alike."""
+    if not isinstance(value, torch.Tensor):
+        return {"value": value}
+    storage = value.untyped_storage()
+    index = storages.setdefault(storage._cdata, len(storages))
+    return {"tensor": [list(value.shape), list(value.stride()), value.storage_offset(), str(value.dtype)[6:],
+                       value.requires_grad, index, storage.nbytes()]}
+
+
+def input_from(layout: dict, bases: dict):
+    """Zeros laid out as the parent's input; views of one storage share one base here too."""
+    if "value" in layout:
+        return layout["value"]
+    shape, stride, offset, dtype, requires_grad, index, nbytes = layout["tensor"]
+    dtype = getattr(torch, dtype)
+    base = bases.get(index)
+    if base is None:
+        base = bases[index] = torch.zeros(nbytes // dtype.itemsize, dtype=dtype)
+    tensor = base.as_strided(shape, stride, offset)
+    return tensor.requires_grad_() if requires_grad else tensor
+
+
+def compile_request(request: dict) -> bytes:
+    """The disk cache entry of the region a request describes."""
+    from ..device.spec import DeviceSpec
+    from .cache import entry_payload
+    from .driver import compile_uncached
+    from .serialize import graph_from_json
+
+    gm, _ = graph_from_json(request["graph"])
+    bases: dict = {}
+    inputs = [input_from(layout, bases) for layout in request["inputs"]]
+    compiled = compile_uncached(gm, inputs, DeviceSpec(**request["spec"]), request["name"])
+    return entry_payload(request["key"], compiled)
+
+
+def _warm_up() -> None:
+    """Import what the first compile needs (make_fx brings torch._dynamo: seconds) before it comes."""
+    from . import driver  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+
+def serve(requests, replies) -> None:
+    _warm_up()
+    for line in requests:
+        request = json.loads(line)
+        started = time.perf_counter()
+        try:
+            payload, error = compile_request(request), None
+        except Exception as failure:  # the parent gives the region up with this reason
+            payload, error = b"", f"{type(failure).__name__}: {failure}"
+        header = {"id": request["id"], "error": error, "bytes": len(payload),
+                  "seconds": time.perf_counter() - started}
+        replies.write(json.dumps(header).encode() + b"\n" + payload)
+        replies.flush()
+
+
+def main() -> None:
+    # The replies go on a copy of stdout; stdout itself becomes stderr, so that a print in a pass
+    # cannot corrupt the wire.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    torch.set_num_threads(1)  # one core for the compile, the other stays the parent's
+    try:
+        os.nice(5)
+    except OSError:
+        pass
+    serve(sys.stdin.buffer, replies)
