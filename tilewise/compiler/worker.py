@@ -13,6 +13,7 @@ The process ends when its parent closes the request pipe (or dies).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -61,8 +62,8 @@ def compile_request(request: dict) -> bytes:
 
 def _warm_up() -> None:
     """Import what the first compile needs (make_fx brings torch._dynamo: seconds) before it comes."""
-    from . import driver  # noqa: F401
-    import torch._dynamo  # noqa: F401
+    for module in ("tilewise.compiler.driver", "torch._dynamo"):
+        importlib.import_module(module)
 
 
 def serve(requests, replies) -> None:
