@@ -50,6 +50,7 @@ class Compiling(NamedTuple):
     compiled region's recorded form)."""
     job: object  # compiler.background.Job
     gm: torch.fx.GraphModule
+    site: object  # generic.Site or None
 
 
 class OpInfo(NamedTuple):
@@ -395,17 +396,15 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
-        entry = self._compile(segment, region)
-        if entry is not None and site is not None:
-            self._count_compile(site, entry.name)
-        return entry
+        return self._compile(segment, region, site)
 
     def _give_up(self, region: Region, reason: Reason) -> None:
         self.regions.put(region.key, _FAILED)
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
-    def _compile(self, segment: Segment, region: Region):
-        """The region compiled now, or (compiling in the background) None while its ops run eagerly."""
+    def _compile(self, segment: Segment, region: Region, site):
+        """The region compiled now, or (compiling in the background) None while its ops run eagerly;
+        `site`: its generic.Site, if it has one, which counts the compile."""
         from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
 
         name = f"region{len(self.stats.regions) + self.compiling + 1}"
@@ -423,12 +422,12 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         if isinstance(compiled, background.Job):
-            self.regions.put(region.key, Compiling(compiled, gm))
+            self.regions.put(region.key, Compiling(compiled, gm, site))
             self.compiling += 1
             self.stats.background_compiles += 1
             self.stats.compiling_ops += len(region.nodes)
             return None
-        return self._compiled(segment, region, compiled, started, cached=cache.stats.compiles == passes_run)
+        return self._compiled(segment, region, site, compiled, started, cached=cache.stats.compiles == passes_run)
 
     def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
         """The region compiling in the background, put to use once it is compiled; None until then."""
@@ -441,16 +440,16 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         self.compiling -= 1
         if job.lost is not None:  # the compile process failed (it warned): compile here instead
             del self.regions[region.key]
-            return self._compile(segment, region)
+            return self._compile(segment, region, compiling.site)
         started = time.perf_counter()
         try:
             compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
                                                native_after_runs(segment.settings.mode))
         except Exception as error:
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
-        return self._compiled(segment, region, compiled, started, background_seconds=job.seconds)
+        return self._compiled(segment, region, compiling.site, compiled, started, background_seconds=job.seconds)
 
-    def _compiled(self, segment: Segment, region: Region, compiled, started: float, cached: bool = False,
+    def _compiled(self, segment: Segment, region: Region, site, compiled, started: float, cached: bool = False,
                   background_seconds: float = 0.0) -> CompiledEntry:
         """Cache a region's compile and tell the statistics; `started`: when this process began the
         work (the compile, or taking in a background compile's result)."""
@@ -463,6 +462,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
             compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
             cached=cached, background_seconds=background_seconds))
+        if site is not None:
+            self._count_compile(site, entry.name)
         return entry
 
     @staticmethod

@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import json
 import operator
-import os
 import queue
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from .disk import warn_once
 from .serialize import NAMESPACES, graph_to_json
 from .worker import layout_of
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from tilewise.compiler.worker import main; main()"
 
 
 class Job:
@@ -121,11 +120,8 @@ class CompileProcess:
         if not sys.executable:
             self._break("no Python executable to run it with (sys.executable is empty)")
             return
-        env = dict(os.environ)
-        # the child must import this very tilewise, even one found through sys.path edits
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-        try:
-            self._process = subprocess.Popen([sys.executable, "-m", "tilewise.compiler"], env=env,
+        try:  # with this process's sys.path: it imports this very tilewise, even one found through sys.path edits
+            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         except OSError as error:
             self._break(f"could not start it: {error}")

@@ -1,4 +1,4 @@
-"""The compile process (`python -m tilewise.compiler`, started by `background.py`) and its wire.
+"""The compile process (`main`, started by `background.py`) and its wire.
 
 It runs the passes for its parent, so the parent's steps go on while a region compiles (on the
 other core, with a GIL of its own: a compile thread in the parent slowed its steps 10-50x). The
