@@ -176,3 +176,20 @@ def test_no_compile_process_unless_asked():
     env = {k: v for k, v in os.environ.items() if k != "TILEWISE_BACKGROUND_COMPILE"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"]
+
+
+def test_opting_in_starts_one_compile_process_at_import():
+    """TILEWISE_BACKGROUND_COMPILE=on starts the process when tilewise is imported (its imports
+    overlap the program's set-up); the process's own import of tilewise starts none."""
+    script = textwrap.dedent("""
+        import os, time, tilewise
+        from tilewise.compiler import background
+        pid = background.PROCESS._process.pid
+        time.sleep(15)  # the compile process has imported tilewise by now
+        children = [p for p in os.listdir("/proc") if p.isdigit() and
+                    open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(pid)]
+        print(background.PROCESS._process.poll() is None, len(children))
+    """)
+    env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "on", "TILEWISE_MODE": "adaptive"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "0"]

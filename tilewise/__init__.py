@@ -6,6 +6,9 @@ from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
 
 eager.install()
+if config.background_compile == "on" and config.mode == "adaptive":
+    from .adaptive.engine import start_compile_process
+    start_compile_process()  # opted in: the compile process imports (seconds) while the program sets up
 
 __version__ = "0.1.0"
 __all__ = ["engine", "explain", "reset_caches", "stats", "sync", "wait_for_compiles", "ConfigError", "DEVICE", "DeviceError", "DeviceSpec", "NeuronOutOfMemoryError",

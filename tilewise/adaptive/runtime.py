@@ -441,6 +441,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         if job.lost is not None:  # the compile process failed (it warned): compile here instead
             del self.regions[region.key]
             return self._compile(segment, region, compiling.site)
+        DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
+                             ops=len(region.nodes), seconds_compiling=job.seconds)
         started = time.perf_counter()
         try:
             compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import operator
+import os
 import queue
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class Job:
         self.error: str | None = None  # why the passes failed
         self.lost: str | None = None   # why the compile process failed before it replied
         self.seconds = 0.0        # the compile's time in the compile process
+        self.finished = 0.0       # perf_counter() when its reply came
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -49,6 +51,7 @@ class Job:
 
     def finish(self, payload: bytes, error: str | None, seconds: float) -> None:
         self.payload, self.error, self.seconds = payload, error, seconds
+        self.finished = time.perf_counter()
         self._done.set()
 
     def lose(self, why: str) -> None:
@@ -120,8 +123,11 @@ class CompileProcess:
         if not sys.executable:
             self._break("no Python executable to run it with (sys.executable is empty)")
             return
-        try:  # with this process's sys.path: it imports this very tilewise, even one found through sys.path edits
-            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)],
+        # With this process's sys.path, the child imports this very tilewise (even one found through
+        # sys.path edits); with background compiles off, its import starts no compile process of its own.
+        env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "off"}
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)], env=env,
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         except OSError as error:
             self._break(f"could not start it: {error}")

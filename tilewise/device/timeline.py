@@ -9,7 +9,7 @@ from typing import NamedTuple
 # "Collectives": tilewise.distributed's all_reduce, all_gather, ... on the NeuronLink.
 ENGINES = ("TensorEngine", "VectorEngine", "ScalarEngine", "DMA", "Collectives")
 # What the host does around the device, on the host's wall clock (time.perf_counter seconds).
-HOST_LANES = ("tracing", "flush", "compilation", "eager ops")
+HOST_LANES = ("tracing", "flush", "compilation", "eager ops", "compile process")
 
 
 class Kernel(NamedTuple):

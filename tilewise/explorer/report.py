@@ -98,7 +98,9 @@ def _time(run: dict) -> str:
             f'<div>Simulated device time by engine{_bars(times["engines"], "ms", 1e-3)}</div>'
             f'<div>Simulated device time by region{_bars(times["regions"], "ms", 1e-3)}</div>'
             f'<div>Host time by lane{_bars(times["host"], "ms", 1e-3)}</div></div>'
-            "<p>Host lanes nest: compilation happens inside a flush, eager ops between flushes. "
+            "<p>Host lanes nest: compilation happens inside a flush, eager ops between flushes; the "
+            "compile process lane (background compiles) is another process's time, from a region's "
+            "hand-off to its reply, while the steps went on. "
             "The trace (<code>write_trace</code>) shows every kernel per engine and the host lanes; "
             "open it in Perfetto or chrome://tracing.</p>")
 
