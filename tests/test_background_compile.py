@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -106,8 +107,8 @@ def test_the_compile_process_compiles_what_this_process_would(process):
 
 def test_a_dead_compile_process_warns_and_the_regions_compile_here(process):
     assert process.start()
-    process._process.kill()
-    process._process.wait()
+    process._child.kill()
+    process._child.wait(None)
     batches = _data(8)
     model, step = _trainer("neuron")
     with pytest.warns(RuntimeWarning, match="background compile process failed"):
@@ -120,6 +121,7 @@ def test_a_dead_compile_process_warns_and_the_regions_compile_here(process):
 
 
 def test_a_process_that_cannot_start_leaves_compiling_here(process, monkeypatch):
+    monkeypatch.setattr(background.threading, "active_count", lambda: 2)  # no fork: a fresh interpreter
     monkeypatch.setattr(sys, "executable", "")
     fn, gm, inputs = _region()
     with pytest.warns(RuntimeWarning, match="sys.executable is empty"):
@@ -171,25 +173,48 @@ def test_no_compile_process_unless_asked():
         from tilewise.compiler import background
         with tilewise.engine(mode="adaptive"):
             (torch.ones(3, device="neuron") * 2).cpu()
-        print(background.PROCESS._process is None)
+        print(background.PROCESS._child is None)
     """)
     env = {k: v for k, v in os.environ.items() if k != "TILEWISE_BACKGROUND_COMPILE"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"]
 
 
-def test_opting_in_starts_one_compile_process_at_import():
-    """TILEWISE_BACKGROUND_COMPILE=on starts the process when tilewise is imported (its imports
-    overlap the program's set-up); the process's own import of tilewise starts none."""
+def test_opting_in_forks_the_compile_process_at_import():
+    """TILEWISE_BACKGROUND_COMPILE=on starts the process when tilewise is imported: a fork (torch and
+    tilewise imported already), whose output never reaches the program's."""
     script = textwrap.dedent("""
-        import os, time, tilewise
+        print("before", flush=False)
+        import torch, tilewise
         from tilewise.compiler import background
-        pid = background.PROCESS._process.pid
-        time.sleep(15)  # the compile process has imported tilewise by now
-        children = [p for p in os.listdir("/proc") if p.isdigit() and
-                    open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(pid)]
-        print(background.PROCESS._process.poll() is None, len(children))
+        child = background.PROCESS._child
+        with tilewise.engine(mode="adaptive", threshold=1):
+            for _ in range(3):
+                x = (torch.ones(64, 64, device="neuron") * 2).sum().item()
+        assert tilewise.wait_for_compiles(timeout=240)
+        with tilewise.engine(mode="adaptive", threshold=1):
+            x = (torch.ones(64, 64, device="neuron") * 2).sum().item()
+        s = tilewise.stats()
+        print(child is background.PROCESS._child, child.wait(0) is None, s.background_compiles >= 1,
+              s.background_seconds > 0, s.ops_compiled > 0, x)
     """)
     env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "on", "TILEWISE_MODE": "adaptive"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "0"]
+    assert out.stdout.split() == ["before", "True", "True", "True", "True", "True", "8192.0"], out.stderr
+
+
+def test_a_fresh_interpreter_compile_process_starts_none_of_its_own(monkeypatch):
+    """Started as a fresh interpreter (this process has other threads), the compile process imports
+    tilewise with background compiles off: it has no child."""
+    monkeypatch.setenv("TILEWISE_BACKGROUND_COMPILE", "on")
+    monkeypatch.setenv("TILEWISE_MODE", "adaptive")
+    child = background._run()
+    try:
+        time.sleep(20)  # it has imported tilewise by now
+        children = [p for p in os.listdir("/proc") if p.isdigit() and
+                    open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(child.pid)]
+        assert child.wait(0) is None and children == []
+    finally:
+        child.requests.close()
+        if child.wait(10) is None:
+            child.kill()

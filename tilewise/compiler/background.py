@@ -16,16 +16,18 @@ import json
 import operator
 import os
 import queue
+import multiprocessing
 import subprocess
 import sys
 import threading
 import time
+from typing import BinaryIO, Callable, NamedTuple
 
 import torch
 
 from .disk import warn_once
 from .serialize import NAMESPACES, graph_to_json
-from .worker import layout_of
+from .worker import layout_of, serve_fork
 
 _BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from tilewise.compiler.worker import main; main()"
 
@@ -61,7 +63,7 @@ class Job:
 
 class CompileProcess:
     def __init__(self):
-        self._process: subprocess.Popen | None = None
+        self._child: _Child | None = None
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -71,7 +73,7 @@ class CompileProcess:
         """Start the process if it is not running: done when an engine block in adaptive mode
         begins, so that its imports (seconds) overlap the warm-up steps. False: unusable."""
         with self._lock:
-            if self._process is None and self.broken is None:
+            if self._child is None and self.broken is None:
                 self._spawn()
             return self._usable()
 
@@ -85,7 +87,7 @@ class CompileProcess:
                    "inputs": [layout_of(value, storages) for value in example_inputs]}
         job = Job(key, name)
         with self._lock:
-            if self._process is None and self.broken is None:
+            if self._child is None and self.broken is None:
                 self._spawn()
             if not self._usable():
                 return None
@@ -108,46 +110,40 @@ class CompileProcess:
     def close(self) -> None:
         """End the process: it stops when its request pipe closes; killed if it does not at once."""
         with self._lock:
-            process, self._process = self._process, None
-        if process is None:
+            child, self._child = self._child, None
+        if child is None:
             return
         self._requests.put(None)
         try:
-            process.stdin.close()
-            process.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
+            child.requests.close()
+        except OSError:
+            pass
+        if child.wait(2) is None:
+            child.kill()
+            child.wait(None)
 
     def _spawn(self) -> None:
-        if not sys.executable:
-            self._break("no Python executable to run it with (sys.executable is empty)")
-            return
-        # With this process's sys.path, the child imports this very tilewise (even one found through
-        # sys.path edits); with background compiles off, its import starts no compile process of its own.
-        env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "off"}
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)], env=env,
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-        except OSError as error:
+            self._child = _fork() if threading.active_count() == 1 and hasattr(os, "fork") else _run()
+        except (OSError, ValueError) as error:
             self._break(f"could not start it: {error}")
             return
         # a request is larger than the pipe holds: written by a thread of its own, the step never
         # waits for the process to read it (it reads none while it imports, for seconds)
         self._requests = queue.SimpleQueue()
         for loop, name in ((self._write_requests, "requests"), (self._read_replies, "replies")):
-            threading.Thread(target=loop, args=(self._process,), name=f"tilewise-compile-{name}", daemon=True).start()
+            threading.Thread(target=loop, args=(self._child,), name=f"tilewise-compile-{name}", daemon=True).start()
 
-    def _write_requests(self, process: subprocess.Popen) -> None:
+    def _write_requests(self, child: "_Child") -> None:
         while (request := self._requests.get()) is not None:
             try:
-                process.stdin.write(request)
-                process.stdin.flush()
+                child.requests.write(request)
+                child.requests.flush()
             except (OSError, ValueError):
                 return  # the process is gone: the reply thread sees its end and says why
 
-    def _read_replies(self, process: subprocess.Popen) -> None:
-        replies = process.stdout
+    def _read_replies(self, child: "_Child") -> None:
+        replies = child.replies
         while True:
             line = replies.readline()
             try:
@@ -156,14 +152,13 @@ class CompileProcess:
             except (ValueError, KeyError, TypeError, OSError):
                 header = None
             if header is None or len(payload) != header["bytes"]:
-                try:
-                    why = f"it stopped (exit code {process.wait(timeout=5)})"
-                except subprocess.TimeoutExpired:
-                    why = "its reply was garbled"
-                    process.kill()
+                code = child.wait(5)
+                if code is None:
+                    child.kill()
+                why = "its reply was garbled" if code is None else f"it stopped (exit code {code})"
                 with self._lock:
-                    if self._process is process:
-                        self._process = None
+                    if self._child is child:
+                        self._child = None
                         self._break(why)
                 return
             with self._lock:
@@ -185,6 +180,58 @@ class CompileProcess:
         warn_once(f"tilewise: the background compile process failed ({self.broken}); compiling in this process "
                   f"from now on (TILEWISE_BACKGROUND_COMPILE=off does so from the start)")
         return False
+
+
+class _Child(NamedTuple):
+    """The compile process as its parent sees it, however it was started."""
+    pid: int
+    requests: BinaryIO    # write end
+    replies: BinaryIO     # read end
+    wait: Callable[[float | None], int | None]  # its exit code, None if still running after the timeout
+    kill: Callable[[], None]
+
+
+def _fork() -> _Child:
+    """A fork of this process, which has imported torch and tilewise already (the compile can
+    start within a second or two, not after the seconds a fresh interpreter takes to import them).
+    Only from a process with no other Python thread (as at `import tilewise`): a fork copies no
+    thread, and a lock another thread held would stay held in the child. Native threads are
+    PyTorch's intra-op pool, which the child does not use (one thread), as DataLoader workers do."""
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    context = multiprocessing.get_context("fork")
+    process = context.Process(target=serve_fork, args=(requests_read, replies_write, (requests_write, replies_read)),
+                              name="tilewise-compile", daemon=True)
+    for stream in (sys.stdout, sys.stderr):  # or the child would print their buffered text again
+        stream.flush()
+    process.start()
+    os.close(requests_read)
+    os.close(replies_write)
+
+    def wait(timeout):
+        process.join(timeout)
+        return process.exitcode
+
+    return _Child(process.pid, os.fdopen(requests_write, "wb"), os.fdopen(replies_read, "rb"), wait, process.kill)
+
+
+def _run() -> _Child:
+    """A fresh interpreter with this process's sys.path, so that it imports this very tilewise (even
+    one found through sys.path edits); with background compiles off, its import starts no compile
+    process of its own."""
+    if not sys.executable:
+        raise ValueError("no Python executable to run it with (sys.executable is empty)")
+    env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "off"}
+    process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)], env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+
+    def wait(timeout):
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    return _Child(process.pid, process.stdin, process.stdout, wait, process.kill)
 
 
 def carries(gm: torch.fx.GraphModule) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -82,13 +83,30 @@ def serve(requests, replies) -> None:
 
 
 def main() -> None:
-    # The replies go on a copy of stdout; stdout itself becomes stderr, so that a print in a pass
-    # cannot corrupt the wire.
+    """The compile process started as a fresh interpreter: requests on stdin, replies on a copy of
+    stdout."""
     replies = os.fdopen(os.dup(1), "wb")
+    _settle()
+    serve(sys.stdin.buffer, replies)
+
+
+def serve_fork(requests: int, replies: int, parents: tuple[int, ...]) -> None:
+    """The compile process forked from its parent: requests and replies on the pipes given; the
+    parent's ends are closed here, so that each side sees the other's end of file."""
+    for fd in parents:
+        os.close(fd)
+    _settle()
+    serve(os.fdopen(requests, "rb"), os.fdopen(replies, "wb"))
+
+
+def _settle() -> None:
+    """stdout becomes stderr (a print in a pass cannot reach the wire or the program's output); one
+    thread at a lower priority (the other core stays the parent's); Ctrl-C is the parent's to
+    handle (the terminal sends it to both), the process ends when its requests do."""
     os.dup2(2, 1)
-    torch.set_num_threads(1)  # one core for the compile, the other stays the parent's
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(5)
     except OSError:
         pass
-    serve(sys.stdin.buffer, replies)
