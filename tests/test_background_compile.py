@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import tilewise
 from tilewise.compiler import background, cache, compile_graph, compile_in_background, disk, finish, worker
 from tilewise.compiler.serialize import graph_to_json
-from tilewise.workloads import MLP
+from tilewise.workloads import MLP, train_gpt
 
 TIMEOUT = 240  # seconds a compile process may take to start and compile on a loaded machine
 
@@ -81,6 +81,23 @@ def test_training_runs_eagerly_while_compiling_then_switches_and_matches_cpu(pro
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_gpt_switches_to_its_compiled_step_mid_training_and_matches_cpu(process):
+    """The whole training step (dropout, attention, AdamW) as one region: eager while it compiles,
+    compiled after, CPU's losses and weights throughout."""
+    def on_step(step):
+        if step == 4:
+            assert tilewise.stats().background_compiles >= 1
+            assert tilewise.wait_for_compiles(timeout=TIMEOUT)
+
+    losses, params = train_gpt("neuron", "adaptive", steps=8, on_step=on_step)
+    stats = tilewise.stats()
+    assert stats.compiles >= 1 and stats.compiling_ops > 0 and stats.ops_compiled > 0, stats.report()
+    want_losses, want_params = train_gpt("cpu", steps=8)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, want_params):  # AdamW: see PARAM_ATOL in test_adaptive.py
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
 
 
 def _region():

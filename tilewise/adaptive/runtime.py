@@ -93,7 +93,6 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
-        self.compiling = 0  # regions compiling in the background (their cache value is a Compiling)
         self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
@@ -407,7 +406,8 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         `site`: its generic.Site, if it has one, which counts the compile."""
         from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
 
-        name = f"region{len(self.stats.regions) + self.compiling + 1}"
+        in_flight = sum(1 for entry in self.regions.values() if type(entry) is Compiling)
+        name = f"region{len(self.stats.regions) + in_flight + 1}"
         started = time.perf_counter()
         passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
         after = native_after_runs(segment.settings.mode)
@@ -423,7 +423,6 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
             return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
         if isinstance(compiled, background.Job):
             self.regions.put(region.key, Compiling(compiled, gm, site))
-            self.compiling += 1
             self.stats.background_compiles += 1
             self.stats.compiling_ops += len(region.nodes)
             return None
@@ -437,7 +436,6 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         if not job.done():
             self.stats.compiling_ops += len(region.nodes)
             return None
-        self.compiling -= 1
         if job.lost is not None:  # the compile process failed (it warned): compile here instead
             del self.regions[region.key]
             return self._compile(segment, region, compiling.site)

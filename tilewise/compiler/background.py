@@ -1,11 +1,14 @@
 """Compiles in the background: one compile process per engine process (`worker.py`), fed regions in
 order, while the program's steps go on (a tiered JIT's background compiler).
 
-`submit` hands a region to the process and returns its `Job`; the runtime looks at the job at each
-flush and adopts the compiled region once it is done. A daemon thread waits on the process's
-replies (blocked in a read, without the GIL). When the process cannot start or dies, every job in
-flight fails with the reason, a RuntimeWarning says it once, and `submit` returns None from then
-on: the caller compiles in its own process, as it would with background compiles off.
+The process is a fork of this one when no other Python thread exists (at `import tilewise` with
+TILEWISE_BACKGROUND_COMPILE=on: torch and tilewise are imported already), else a fresh interpreter.
+`submit` hands a region to it and returns its `Job`; the runtime looks at the job at each flush and
+adopts the compiled region once it is done. Two daemon threads talk to the process: one writes the
+requests (larger than a pipe holds), one waits on the replies (blocked in a read, without the GIL).
+When the process cannot start or dies, every job in flight is lost with the reason, a
+RuntimeWarning says so once, and `submit` returns None from then on: the caller compiles in its
+own process, as it does with background compiles off.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import itertools
 import json
 import operator
 import os
-import queue
 import multiprocessing
+import queue
 import subprocess
 import sys
 import threading
@@ -70,8 +73,8 @@ class CompileProcess:
         self.broken: str | None = None  # why the process is unusable; None while it is (or may be) fine
 
     def start(self) -> bool:
-        """Start the process if it is not running: done when an engine block in adaptive mode
-        begins, so that its imports (seconds) overlap the warm-up steps. False: unusable."""
+        """Start the process if it is not running (at import when opted in, and when an adaptive
+        engine block begins), so that it is ready before the first region recurs. False: unusable."""
         with self._lock:
             if self._child is None and self.broken is None:
                 self._spawn()
@@ -97,7 +100,8 @@ class CompileProcess:
         return job
 
     def wait_all(self, timeout: float | None = None) -> bool:
-        """Wait until every job in flight is done; False if `timeout` seconds passed first."""
+        """Wait until every job in flight is done (the next flush that meets a region puts its
+        compile to use); False if `timeout` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             jobs = list(self._jobs.values())
