@@ -100,6 +100,27 @@ def test_tiny_gpt_switches_to_its_compiled_step_mid_training_and_matches_cpu(pro
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-2)
 
 
+def test_a_region_whose_compile_has_not_come_back_runs_eagerly_and_explain_says_so(process, monkeypatch):
+    jobs = []
+
+    def submit(key, gm, example_inputs, spec, name):  # a compile process that never replies
+        jobs.append(background.Job(key, name))
+        return jobs[-1]
+
+    monkeypatch.setattr(process, "submit", submit)
+    batches = _data(6)
+    model, step = _trainer("neuron")
+    with tilewise.engine(mode="adaptive", threshold=2):
+        losses = [step(x, y) for x, y in batches]
+    stats = tilewise.stats()
+    assert jobs and stats.background_compiles == len(jobs) and stats.compiles == 0 and stats.ops_compiled == 0
+    assert stats.compiling_ops > 0
+    with pytest.raises(tilewise.ConfigError, match=f"{len(jobs)} compiling in the background"):
+        tilewise.explain(jobs[0].name)
+    expected, _ = _train_cpu(batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
 def _region():
     fn = lambda x, w: (torch.softmax(x * 2, -1), torch.relu(x @ w))  # noqa: E731
     x, w = torch.randn(130, 20), torch.randn(20, 7)

@@ -6,7 +6,7 @@ from ..device.runtime import DEVICE
 from ..errors import ConfigError
 from .policy import Mode, Settings, compiles_in_background
 from .regions import CompiledEntry
-from .runtime import ENGINE_EXITED, Runtime
+from .runtime import ENGINE_EXITED, Compiling, Runtime
 from .stats import Stats
 from .tracer import Tracer
 
@@ -80,7 +80,9 @@ def explain(region: str | None = None, passes: bool = False) -> str:
         chosen = [e for e in entries if e.name == region]
         if not chosen:
             names = ", ".join(e.name for e in entries) or "none"
-            raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}")
+            compiling = sum(1 for e in list(RUNTIME.regions.values()) if isinstance(e, Compiling))
+            also = f" ({compiling} compiling in the background: tilewise.wait_for_compiles())" if compiling else ""
+            raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}{also}")
         entries = chosen
     return "\n\n".join(f"# {e.name}: {e.ops} ops, {e.runs} runs, {e.kernels} launches per run\n"
                        + (str(e.compiled) if passes else _final_text(e.compiled)) for e in entries)
