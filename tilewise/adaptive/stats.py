@@ -168,8 +168,8 @@ class Stats:
             f"{self.warmup_ops} ops eager while warming up",
             f"  regions found {self.regions_found}, compiles {self.compiles} "
             f"({self.compile_seconds:.3f} s; {self.cached_compiles} served by the compile cache), recompiles {self.recompiles}, not run again yet {self.unused_compiles}; "
-            f"{self.background_compiles} sent to the compile process ({self.background_seconds:.3f} s there; "
-            f"{self.compiling_ops} ops eager while their region compiled); "
+            + (f"{self.background_compiles} sent to the compile process ({self.background_seconds:.3f} s there; "
+               f"{self.compiling_ops} ops eager while their region compiled); " if self.background_compiles else "") +
             f"{self.specialisations} sizes of shape-generic regions specialised ({self.specialise_seconds:.3f} s), "
             f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",
