@@ -15,6 +15,7 @@ on all of them alike; per-step figures are medians over all steps, compilation i
 
     python benchmarks/run.py                     # full setting, the README table (~10 min here)
     python benchmarks/run.py --quick --json out.json   # smoke test: few steps, smaller sizes, no inductor
+    python benchmarks/run.py --background-compile      # adds adaptive mode compiling in a compile process
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,28 @@ TILEWISE_MODES = {"tilewise eager": "eager", "tilewise adaptive": "adaptive", "t
 # With --host-backends, the compiling modes also run once per listed host backend (config.host_backend),
 # as contenders of their own: "tilewise adaptive [torch host]".
 HOST_BACKEND_MODES = ("tilewise adaptive", "tilewise compiled")
+
+
+class Contender(NamedTuple):
+    """Who runs a workload: one of CONTENDERS and, for a tilewise mode, the settings its block
+    patches (host_backend, background_compile), which its label names."""
+    base: str
+    host_backend: str | None = None
+    background_compile: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.base + (f" [{self.host_backend} host]" if self.host_backend else "") + \
+            (" [background compile]" if self.background_compile else "")
+
+    @property
+    def tilewise_mode(self) -> str | None:
+        return TILEWISE_MODES.get(self.base)
+
+    def settings(self) -> dict:
+        """What the block patches: no disk cache (every compile cold), and the contender's own."""
+        return {"cache_dir": ""} | ({"host_backend": self.host_backend} if self.host_backend else {}) | \
+            ({"background_compile": "on"} if self.background_compile else {})
 # Steps per workload: (full, quick). The full setting must finish within 15 minutes on 2 loaded cores.
 STEPS = {"mlp": (60, 4), "gpt": (30, 5), "chain": (20, 3), "seq": (40, 5), "readloss": (40, 6), "cnn": (30, 6),
          "varlen": (50, 6), "infer": (50, 6)}
@@ -221,9 +245,9 @@ WORKLOADS = {
 class Meter:
     """Times steps and reads the engine's counters around each one."""
 
-    def __init__(self, contender: str):
-        self.tilewise = _base(contender) in TILEWISE_MODES
-        self.inductor = contender == "inductor"
+    def __init__(self, contender: Contender):
+        self.tilewise = contender.tilewise_mode is not None
+        self.inductor = contender.base == "inductor"
         self.samples: list[dict] = []
 
     def step(self, step, i: int) -> dict:
@@ -257,36 +281,26 @@ class Meter:
                 "median_compile_ms_per_region": 1e3 * statistics.median(per_region) if per_region else None}
 
 
-def _contender_setup(contender: str):
+def _contender_setup(contender: Contender):
     """(device, how the model is wrapped, the block the steps run in) for one contender."""
-    if contender == "cpu eager":
+    if contender.base == "cpu eager":
         return "cpu", (lambda fn: fn), contextlib.nullcontext()
-    if contender == "inductor":
+    if contender.base == "inductor":
         return "cpu", torch.compile, contextlib.nullcontext()
     import tilewise  # noqa: F401  registers the neuron device before the workload moves data there
-    return "neuron", (lambda fn: fn), _tilewise_block(TILEWISE_MODES[_base(contender)], _host_backend(contender))
-
-
-def _base(contender: str) -> str:
-    """The contender without its host backend: "tilewise adaptive [torch host]" -> "tilewise adaptive"."""
-    return contender.split(" [", 1)[0]
-
-
-def _host_backend(contender: str) -> str | None:
-    return contender.split(" [", 1)[1].split(" host]")[0] if " [" in contender else None
+    return "neuron", (lambda fn: fn), _tilewise_block(contender)
 
 
 @contextlib.contextmanager
-def _tilewise_block(mode: str, host_backend: str | None):
+def _tilewise_block(contender: Contender):
     import tilewise
-    settings = {"cache_dir": ""} | ({"host_backend": host_backend} if host_backend else {})
-    with tilewise.config.patch(**settings), tilewise.engine(mode=mode):  # cold: no kernels from disk
+    with tilewise.config.patch(**contender.settings()), tilewise.engine(mode=contender.tilewise_mode):
         yield
 
 
-def _start_cold(contender: str) -> None:
+def _start_cold(contender: Contender) -> None:
     """Forget what an earlier workload compiled, so every workload starts cold for every contender."""
-    if contender == "inductor":
+    if contender.base == "inductor":
         import torch._functorch.config
         import torch._inductor.config
         from torch._dynamo.utils import counters
@@ -294,13 +308,13 @@ def _start_cold(contender: str) -> None:
         torch._functorch.config.enable_autograd_cache = False
         torch._dynamo.reset()
         counters.clear()
-    elif _base(contender) in TILEWISE_MODES:
+    elif contender.tilewise_mode is not None:
         import tilewise
         tilewise.reset_caches()
         tilewise.stats().reset()
 
 
-def worker(conn, contender: str, threads: int) -> None:
+def worker(conn, contender: Contender, threads: int) -> None:
     """One contender, for every workload the coordinator sends: set up, then one step per request."""
     torch.set_num_threads(threads)
     for workload, steps, quick in iter(conn.recv, None):
@@ -321,7 +335,7 @@ def worker(conn, contender: str, threads: int) -> None:
 
 # -- the coordinator --------------------------------------------------------------------------------
 @contextlib.contextmanager
-def workers(contenders: list[str], threads: int):
+def workers(contenders: list[Contender], threads: int):
     """A process per contender: the engine's caches and statistics are process-wide."""
     context = multiprocessing.get_context("spawn")
     pipes, processes = {}, []
@@ -394,18 +408,18 @@ COLUMNS = ("contender", "host ms/step", "vs cpu", "sim ms/step", "launches/step"
 
 def table(results: dict[str, dict]) -> str:
     base = results.get("cpu eager", {}).get("host_ms_per_step")
-    widths = (32, 13, 8, 12, 14, 9, 11, 11, 15, 9)
+    widths = (40, 13, 8, 12, 14, 9, 11, 11, 15, 9)
     lines = ["".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
     for contender, r in results.items():
         if "error" in r or "skipped" in r:
             why = r.get("skipped") or r["error"].strip().splitlines()[-1]
-            lines.append(f"{contender:<32} {why}")
+            lines.append(f"{contender:<40} {why}")
             continue
         cells = (r["host_ms_per_step"], r["host_ms_per_step"] / base if base else None,
                  r.get("simulated_ms_per_step"), r.get("launches_per_step"), r.get("compiles"),
                  r.get("median_compile_ms_per_region"), r.get("cache_hit_rate"), r["first_compiled_s"], r["total_s"])
         formats = ("{:.2f}", "{:.2f}x", "{:.3f}", "{:.0f}", "{}", "{:.0f}", "{:.0%}", "{:.2f}", "{:.2f}")
-        lines.append(f"{contender:<32}" + "".join(
+        lines.append(f"{contender:<40}" + "".join(
             f"{'-' if v is None else f.format(v):>{w}}" for v, f, w in zip(cells, formats, widths[1:])))
     return "\n".join(lines)
 
@@ -429,7 +443,17 @@ def parse_args(argv=None):
     parser.add_argument("--host-backends", default="",
                         help="comma-separated host backends (native, torch) the compiling modes also run under, "
                              "side by side (default: only the configured one)")
+    parser.add_argument("--background-compile", action="store_true",
+                        help="also run adaptive mode compiling in the background (background_compile=on), "
+                             "side by side")
     return parser.parse_args(argv)
+
+
+def contenders_asked(args) -> list[Contender]:
+    backends = [b.strip() for b in args.host_backends.split(",") if b.strip()]
+    return [Contender(base) for base in CONTENDERS] + \
+        [Contender(mode, host_backend=backend) for backend in backends for mode in HOST_BACKEND_MODES] + \
+        ([Contender("tilewise adaptive", background_compile=True)] if args.background_compile else [])
 
 
 def main(argv=None) -> int:
@@ -448,15 +472,14 @@ def main(argv=None) -> int:
     if not with_inductor:
         print(f"inductor: {INDUCTOR_SKIPPED}")
     started = time.perf_counter()
-    contenders = list(CONTENDERS) + [f"{mode} [{backend.strip()} host]" for backend in args.host_backends.split(",")
-                                     if backend.strip() for mode in HOST_BACKEND_MODES]
-    with workers([c for c in contenders if with_inductor or c != "inductor"], args.threads) as pipes:
+    contenders = contenders_asked(args)
+    with workers([c for c in contenders if with_inductor or c.base != "inductor"], args.threads) as pipes:
         for name in names:
             steps = args.steps or STEPS[name][args.quick]
             results = run_workload(pipes, name, steps, args.quick)
             if not with_inductor:
-                results["inductor"] = {"skipped": INDUCTOR_SKIPPED}
-            results = {c: results[c] for c in contenders}
+                results[Contender("inductor")] = {"skipped": INDUCTOR_SKIPPED}
+            results = {c.label: results[c] for c in contenders}
             description = WORKLOADS[name][1].format(rows=512 if args.quick else 4096)
             report["workloads"][name] = {"description": description, "steps": steps, "contenders": results}
             print(f"\n{name}: {description}; {steps} steps\n{table(results)}", flush=True)

@@ -256,3 +256,33 @@ def test_a_fresh_interpreter_compile_process_starts_none_of_its_own(monkeypatch)
         child.requests.close()
         if child.wait(10) is None:
             child.kill()
+
+
+def test_a_daemonic_process_starts_none_at_import_and_a_fresh_interpreter_when_a_block_needs_one(tmp_path):
+    """A DataLoader worker (daemonic) imports tilewise without a compile process; a daemonic process
+    running an adaptive block (benchmarks/run.py's contenders) gets one it can have: multiprocessing
+    lets no daemonic process fork children of its own."""
+    script = textwrap.dedent("""
+        import multiprocessing, torch
+
+        def work():
+            import tilewise
+            from tilewise.compiler import background
+            at_import = background.PROCESS._child
+            for _ in range(2):
+                with tilewise.engine(mode="adaptive", threshold=1):
+                    for _ in range(3):
+                        (torch.ones(64, 64, device="neuron") * 2).sum().item()
+                assert tilewise.wait_for_compiles(240)
+            s = tilewise.stats()
+            print(at_import is None, background.PROCESS.broken is None, s.background_compiles >= 1, s.ops_compiled > 0)
+
+        if __name__ == "__main__":
+            p = multiprocessing.get_context("spawn").Process(target=work, daemon=True)
+            p.start(); p.join(); print(p.exitcode)
+    """)
+    path = tmp_path / "daemonic.py"
+    path.write_text(script)
+    env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "on", "TILEWISE_MODE": "adaptive"}
+    out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["True", "True", "True", "True", "0"], out.stderr

@@ -7,12 +7,14 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKLOADS = ("mlp", "gpt", "chain", "seq", "readloss", "cnn", "varlen", "infer")
-CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled")
+CONTENDERS = ("cpu eager", "inductor", "tilewise eager", "tilewise adaptive", "tilewise compiled",
+              "tilewise adaptive [background compile]")
 
 
 def test_quick_run_reports_every_workload_and_contender(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", str(out)],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--background-compile",
+                             "--json", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())

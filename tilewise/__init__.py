@@ -1,14 +1,12 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
-from . import device, distributed, eager
+from . import adaptive, device, distributed, eager
 from .adaptive import engine, explain, reset_caches, stats, sync, wait_for_compiles
 from .config import config
 from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
 
 eager.install()
-if config.background_compile == "on" and config.mode == "adaptive":
-    from .adaptive.engine import start_compile_process
-    start_compile_process()  # opted in: the compile process imports (seconds) while the program sets up
+adaptive.prepare_background_compiles()
 
 __version__ = "0.1.0"
 __all__ = ["engine", "explain", "reset_caches", "stats", "sync", "wait_for_compiles", "ConfigError", "DEVICE", "DeviceError", "DeviceSpec", "NeuronOutOfMemoryError",

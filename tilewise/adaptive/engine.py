@@ -1,6 +1,8 @@
 """`tilewise.engine()`, `sync()`, `stats()`, `explain()`, `reset_caches()`: the public surface."""
 from __future__ import annotations
 
+import multiprocessing
+
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import ConfigError
@@ -64,6 +66,14 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
 def start_compile_process() -> None:
     from ..compiler.background import PROCESS
     PROCESS.start()
+
+
+def prepare_background_compiles() -> None:
+    """At import: with background compiles on for adaptive mode, the compile process gets ready
+    while the program sets up. Not in a daemonic process (a DataLoader worker), which runs no
+    engine block; a block starts the process wherever it is needed."""
+    if config.background_compile == "on" and config.mode == "adaptive" and not multiprocessing.current_process().daemon:
+        start_compile_process()
 
 
 def stats() -> Stats:

@@ -127,10 +127,12 @@ class CompileProcess:
             child.wait(None)
 
     def _spawn(self) -> None:
+        # a daemonic process (a DataLoader worker) may not fork children of multiprocessing's
+        forkable = threading.active_count() == 1 and hasattr(os, "fork") and not multiprocessing.current_process().daemon
         try:
-            self._child = _fork() if threading.active_count() == 1 and hasattr(os, "fork") else _run()
-        except (OSError, ValueError) as error:
-            self._break(f"could not start it: {error}")
+            self._child = _fork() if forkable else _run()
+        except Exception as error:  # whatever it is, the program goes on compiling here
+            self._break(f"could not start it: {type(error).__name__}: {error}")
             return
         # a request is larger than the pipe holds: written by a thread of its own, the step never
         # waits for the process to read it (it reads none while it imports, for seconds)
