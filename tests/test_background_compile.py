@@ -286,3 +286,23 @@ def test_a_daemonic_process_starts_none_at_import_and_a_fresh_interpreter_when_a
     env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "on", "TILEWISE_MODE": "adaptive"}
     out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == ["True", "True", "True", "True", "0"], out.stderr
+
+
+def test_a_fork_of_the_program_compiles_with_a_process_of_its_own(process):
+    """A program that forks after starting its compile process (workers of its own): the fork has
+    none of the threads that talk to the parent's process, so it starts its own."""
+    assert process.start()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: report what it sees, never return into pytest
+        try:
+            fn, gm, inputs = _region()
+            fresh = background.PROCESS._child is None and not background.PROCESS._jobs
+            job = compile_in_background(gm, inputs, tilewise.DEVICE.spec, "region1")
+            done = isinstance(job, background.Job) and job.wait(TIMEOUT) and job.error is None
+            os.write(writer, f"{fresh} {done}".encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    os.waitpid(pid, 0)
+    assert os.read(reader, 100).decode().split() == ["True", "True"]

@@ -250,4 +250,7 @@ def carries(gm: torch.fx.GraphModule) -> bool:
 
 PROCESS = CompileProcess()
 atexit.register(PROCESS.close)
+# A fork of the program (a worker of its own) has neither the threads that talk to the compile
+# process nor a claim on its replies: it starts afresh, with a compile process of its own if it needs one.
+os.register_at_fork(after_in_child=lambda: PROCESS.__init__())
 
