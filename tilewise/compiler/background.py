@@ -126,6 +126,21 @@ class CompileProcess:
             child.kill()
             child.wait(None)
 
+    def after_fork(self) -> None:
+        """In a fork of the program (a worker of its own): the threads that talk to the compile
+        process are not copied, and its replies are the parent's. If the parent had started one,
+        the fork compiles in itself (a fork made while threads ran must not fork again: a lock
+        a vanished thread held stays held); else it may start its own."""
+        inherited = self._child
+        self.__init__()
+        if inherited is not None:
+            self.broken = "this process is a fork of the program it compiled for"
+            for end in (inherited.requests, inherited.replies):  # the process ends when the parent's close
+                try:
+                    end.close()
+                except OSError:
+                    pass
+
     def _spawn(self) -> None:
         # a daemonic process (a DataLoader worker) may not fork children of multiprocessing's
         forkable = threading.active_count() == 1 and hasattr(os, "fork") and not multiprocessing.current_process().daemon
@@ -151,8 +166,8 @@ class CompileProcess:
     def _read_replies(self, child: "_Child") -> None:
         replies = child.replies
         while True:
-            line = replies.readline()
             try:
+                line = replies.readline()
                 header = json.loads(line) if line else None
                 payload = replies.read(header["bytes"]) if header else b""
             except (ValueError, KeyError, TypeError, OSError):
@@ -250,7 +265,5 @@ def carries(gm: torch.fx.GraphModule) -> bool:
 
 PROCESS = CompileProcess()
 atexit.register(PROCESS.close)
-# A fork of the program (a worker of its own) has neither the threads that talk to the compile
-# process nor a claim on its replies: it starts afresh, with a compile process of its own if it needs one.
-os.register_at_fork(after_in_child=lambda: PROCESS.__init__())
+os.register_at_fork(after_in_child=lambda: PROCESS.after_fork())
 
