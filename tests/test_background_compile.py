@@ -304,3 +304,29 @@ def test_a_fork_of_the_program_compiles_in_itself(process):
     never = background.CompileProcess()
     never.after_fork()
     assert never.broken is None
+
+
+def test_a_fork_made_after_compiles_compiles_and_builds_its_own():
+    """The engine's compiler thread and native builder are threads: a fork copies neither, and
+    before they were made again in the fork its first compile waited forever."""
+    script = textwrap.dedent("""
+        import os, torch, tilewise
+        with tilewise.engine(mode="adaptive", threshold=1):
+            for _ in range(3):
+                (torch.ones(64, 64, device="neuron") * 2).sum().item()
+        assert tilewise.stats().compiles >= 1
+        pid = os.fork()
+        if pid == 0:
+            try:
+                tilewise.stats().reset()
+                with tilewise.engine(mode="adaptive", threshold=1):
+                    for _ in range(3):
+                        (torch.ones(32, 8, device="neuron") + 3).relu().sum().item()
+                s = tilewise.stats()
+                print(s.compiles >= 1 and s.ops_compiled > 0, flush=True)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True"], out.stderr

@@ -13,6 +13,7 @@ Per flush, the whole policy:
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from typing import NamedTuple
@@ -42,7 +43,22 @@ _FAILED = "failed"
 ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
-_COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+def _compiler_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+_COMPILER_THREAD = _compiler_thread()
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the executor but not its thread: the fork's compiles get a thread of their own."""
+    global _COMPILER_THREAD
+    _COMPILER_THREAD = _compiler_thread()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Compiling(NamedTuple):

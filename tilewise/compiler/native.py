@@ -429,3 +429,13 @@ def _worker() -> queue.SimpleQueue:
 def _serve(jobs: queue.SimpleQueue) -> None:
     while True:
         jobs.get().build_now()
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the queue but not the thread that serves it (nor a lock another thread held):
+    the fork's first build starts its own."""
+    global _queue, _queue_lock
+    _queue, _queue_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
