@@ -38,7 +38,8 @@ def report(tmp_path_factory):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(out / f"rank{rank}.json")], env=env,
+        # -X faulthandler: a rank that crashes (one exited with SIGSEGV once in CI) prints its stack
+        procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", WORKER, str(out / f"rank{rank}.json")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
