@@ -194,3 +194,8 @@ class _Config:
 
 
 config = _Config()
+
+
+def environment_with(**values: str) -> dict[str, str]:
+    """This process's environment with the named settings' variables set, for a child process."""
+    return {**os.environ, **{SETTINGS[name].env: value for name, value in values.items()}}

@@ -28,6 +28,7 @@ from typing import BinaryIO, Callable, NamedTuple
 
 import torch
 
+from ..config import environment_with
 from .disk import warn_once
 from .serialize import NAMESPACES, graph_to_json
 from .worker import layout_of, serve_fork
@@ -242,7 +243,7 @@ def _run() -> _Child:
     process of its own."""
     if not sys.executable:
         raise ValueError("no Python executable to run it with (sys.executable is empty)")
-    env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "off"}
+    env = environment_with(background_compile="off")
     process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
 
