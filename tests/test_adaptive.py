@@ -217,6 +217,40 @@ def test_engines_nest_and_inner_mode_wins():
     torch.testing.assert_close(c.cpu(), (x.cpu() + 1) * 2 - 1)
 
 
+def test_a_flush_from_the_program_replays_outside_the_engines_dispatch_mode(monkeypatch):
+    """tilewise.sync() and the end of a block flush with the tracer on the mode stack: the replayed
+    host ops must not go through it (each would pay a Python dispatch), nested blocks included."""
+    from tilewise.adaptive.tracer import Tracer
+
+    seen = []
+    handler = Tracer.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append((func, types))
+        return handler(self, func, types, args, kwargs)
+
+    a, b = torch.randn(8), torch.randn(8)
+    a_dev, b_dev = a.to("neuron"), b.to("neuron")
+    tilewise.stats().reset()
+    with tilewise.engine(mode="adaptive", threshold=1), tilewise.engine(mode="adaptive", threshold=1):
+        for _ in range(3):
+            monkeypatch.setattr(Tracer, "__torch_dispatch__", counting)
+            seen.clear()
+            x = a_dev
+            for _ in range(10):
+                x = x * b_dev + 1
+            tilewise.sync()
+            monkeypatch.setattr(Tracer, "__torch_dispatch__", handler)
+        assert tilewise.stats().compiled_fraction > 0 and tilewise.stats().compiles == 1
+    recorded = [func for func, types in seen if types]
+    replayed = [func for func, types in seen if not types and func in recorded]
+    assert len(recorded) == 20 and replayed == []
+    want = a
+    for _ in range(10):
+        want = want * b + 1
+    torch.testing.assert_close(x.cpu(), want)
+
+
 @pytest.mark.parametrize("bad", [{"mode": "fast"}, {"threshold": 0}, {"threshold": "three"}])
 def test_bad_engine_arguments_list_the_allowed_values(bad):
     with pytest.raises(tilewise.ConfigError) as error:

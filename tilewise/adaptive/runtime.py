@@ -37,6 +37,7 @@ from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
 from .segment import VIEW, OtherCore, Segment, Unrecordable
 from .stats import Stats
+from .tracer import outside_tracers
 
 aten = torch.ops.aten
 _FAILED = "failed"
@@ -267,7 +268,7 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
             # Ctrl-C waits from before the segment leaves self.segment for the queue: arriving in
             # between, it lost the segment's nodes (their outputs never written) and left
             # _flushing set (no later flush ran).
-            with interrupts.deferred():
+            with interrupts.deferred(), outside_tracers():
                 self._flush(reason)
 
     def _flush(self, reason: str) -> None:

@@ -5,8 +5,10 @@ runtime. Backward runs on the calling thread (tilewise.device.backend.backward_o
 """
 from __future__ import annotations
 
+import contextlib
+
 from torch._C._dynamo import eval_frame
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import execute
@@ -38,6 +40,22 @@ class Tracer(TorchDispatchMode):
         self.runtime.stats.ops_seen += 1
         self.runtime.stats.ops_eager += 1
         return execute(func, args, kwargs)
+
+
+@contextlib.contextmanager
+def outside_tracers():
+    """The block runs with the engine's tracers popped off the top of the dispatch mode stack, as
+    inside a handler (where PyTorch pops the mode itself). A flush called from the program
+    (`tilewise.sync()`, the end of an engine block) replays host ops: under a tracer each of them
+    went through `__torch_dispatch__` only to be passed on (~6 us per replayed op here)."""
+    popped = []
+    while isinstance(_get_current_dispatch_mode(), Tracer):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
 
 
 def _skip_dynamo(code) -> None:
