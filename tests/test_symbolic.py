@@ -177,6 +177,29 @@ def test_generic_region_runs_every_admitted_size_and_guards_the_rest():
     assert len(generic._sizes) == 2  # bounded by `limit`
 
 
+def test_generic_region_runs_the_recorded_ops_on_the_host_not_their_decomposition():
+    """The host runs what the program recorded (CPU's own kernels: bitwise CPU's values, and one
+    call per op); the decomposed symbolic graph is what the tile programs are made from."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    hidden = graph.call_function(aten.gelu.default, (graph.call_function(aten.matmul.default, (x, w)),))
+    graph.output((graph.call_function(aten._log_softmax.default, (hidden, -1, False)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    w = torch.randn(32, 16)
+    generic = compile_generic(gm, [torch.randn(8, 5, 32), w], Dynamic((frozenset({1}), frozenset())),
+                              DEVICE.spec, "r", limit=2)
+    recorded = [n.target for n in generic.source.graph.nodes if n.op == "call_function"]
+    decomposed = [n.target for n in generic.gm.graph.nodes if n.op == "call_function"]
+    assert aten.gelu.default in recorded and aten.gelu.default not in decomposed
+    assert len(recorded) == 3 < len(decomposed)
+    for length in (7, 12):
+        x = torch.randn(8, length, 32)
+        assert generic.admits([x, w])
+        (out,) = generic.run(x, w)
+        assert torch.equal(out, torch.log_softmax(torch.nn.functional.gelu(x @ w), -1))
+        torch.testing.assert_close(generic.run_torch(x, w)[0], out)
+
+
 def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh()).eval()

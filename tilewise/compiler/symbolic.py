@@ -8,8 +8,9 @@ expensive pass). What the trace assumed about the symbols comes back as the Shap
 (on every size, stride and offset, static ones included); a call whose sizes fail them is a
 cache miss, never an error.
 
-The host runs the symbolic graph itself on the real buffers: its size arithmetic is graph nodes.
-The tile programs, which the cost model charges, are *parametric* (parametric.py): the later passes
+The host runs the region's recorded ops on the real buffers (driver.source_graph, as a static region
+does before its native tier): the symbolic graph, their decomposition (a sequence classifier's
+~70 recorded ops are ~290 nodes), stays the reference of the tile programs. The tile programs, which the cost model charges, are *parametric* (parametric.py): the later passes
 (partition, lower with its memory fit, schedule) run once on the symbolic graph with the sizes as
 SymInts, so loop extents, HBM views and live bytes come out as expressions of the region's size
 symbols, and every decision the passes took on a size comes out as a guard (a row that must fit
@@ -40,7 +41,7 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError
 from ..reasons import Reason, Why
 from . import decompose
-from .driver import PASSES, _zeros_like_layout
+from .driver import PASSES, _zeros_like_layout, source_graph
 from .parametric import Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
 from .region import Region, format_graph
 
@@ -71,9 +72,10 @@ PROGRAM_LIMIT = 2
 class GenericRegion:
     """A compiled shape-generic region: guards, the symbolic host graph, per-size tile programs."""
 
-    def __init__(self, name: str, gm: torch.fx.GraphModule, guards, symbols, dynamic: Dynamic, spec: DeviceSpec,
-                 compile_seconds: float, limit: int):
+    def __init__(self, name: str, gm: torch.fx.GraphModule, source: torch.fx.GraphModule, guards, symbols,
+                 dynamic: Dynamic, spec: DeviceSpec, compile_seconds: float, limit: int):
         self.name, self.gm, self.dynamic, self.spec = name, gm, dynamic, spec
+        self.source = source  # the recorded ops, as the host runs them: any size the guards admit
         self._symbols = symbols  # (input index, dim or None for an int input, sympy Symbol)
         self.compile_seconds = compile_seconds
         self._guard_text = guards or "none"
@@ -98,7 +100,11 @@ class GenericRegion:
         return {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
 
     def run(self, *inputs) -> tuple:
-        """The symbolic graph on the real buffers; in-place updates of inputs as the source graph."""
+        """The recorded ops on the real buffers, outputs as the symbolic graph's, in place as recorded."""
+        return self.source(*inputs)
+
+    def run_torch(self, *inputs) -> tuple:
+        """The symbolic graph, the decomposition the tile programs are made from, on the real buffers."""
         return self.gm(*inputs)
 
     def specialise(self, inputs) -> tuple[Specialisation, bool]:
@@ -192,7 +198,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     symbols = [(i, dim, size.node.expr) for i, fake in enumerate(fakes)
                for dim, size in (enumerate(fake.shape) if isinstance(fake, torch.Tensor) else [(None, fake)])
                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol)]
-    generic = GenericRegion(name, traced, guards, symbols, dynamic, spec, 0.0, limit)
+    generic = GenericRegion(name, traced, source_graph(gm), guards, symbols, dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
     _smoke_run(generic, example_inputs)
@@ -250,7 +256,7 @@ def _smoke_run(generic: GenericRegion, example_inputs) -> None:
     """Run the symbolic graph once on zeros of the example's layout (as driver._smoke_run does for
     static regions): a failure is a compile failure now, not an error at a later call."""
     try:
-        generic.run(*[_zeros_like_layout(v) if isinstance(v, torch.Tensor) else v for v in example_inputs])
+        generic.run_torch(*[_zeros_like_layout(v) if isinstance(v, torch.Tensor) else v for v in example_inputs])
     except Exception as error:
         raise CompileError(f"the generic region fails on its example inputs: {type(error).__name__}: {error}") from error
 
