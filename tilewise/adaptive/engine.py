@@ -8,7 +8,8 @@ from ..device.runtime import DEVICE
 from ..errors import ConfigError
 from .policy import Mode, Settings, compiles_in_background
 from .regions import CompiledEntry
-from .runtime import ENGINE_EXITED, Compiling, Runtime
+from .compiling import Compiling
+from .runtime import ENGINE_EXITED, Runtime
 from .stats import Stats
 from .tracer import Tracer
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..config import config
 from ..device.runtime import DEVICE
 from . import events, regions, shapes
+from .compiling import compile_failure
 from .policy import Mode, Reason, Verdict, Why, on_other_sizes
 from .regions import CompiledEntry, Region, Sized, alias_signature, build_graph, key_with
 from .segment import Segment
@@ -111,7 +112,7 @@ class GenericSites:
             generic = self.in_compiler_thread(compile_generic, gm, arguments, dynamic, DEVICE.spec, name,
                                               config.specialisation_limit)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+            return self._give_up(region, compile_failure(error))
         seconds = time.perf_counter() - started
         DEVICE.timeline.host("compilation", name, started, seconds, ops=len(region.nodes))
         site.generic, site.changes = generic, changes
@@ -129,7 +130,7 @@ class GenericSites:
         try:
             made, new = site.generic.specialise(arguments)
         except Exception as error:  # this size's tile programs do not lower: it runs eagerly
-            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
+            return self._give_up(region, compile_failure(error))
         if new and made.made is Made.EVALUATED:
             self.stats.evaluated_sizes += 1
             self.stats.evaluate_seconds += made.seconds

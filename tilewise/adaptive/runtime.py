@@ -12,8 +12,6 @@ Per flush, the whole policy:
 """
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import threading
 import time
 from typing import NamedTuple
@@ -28,10 +26,10 @@ from ..eager.plan import is_random, plan_of
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import (CompiledEntry, Region, RegionStep, build_graph, describe,
-                      mixes_dtypes_on_shared_storage, needed_values)
-from .policy import (Mode, Reason, Settings, Verdict, Why, compiles_in_background, copies_to_host, draws_random,
-                     native_after_runs, on_region_miss, runs_now, stable_after)
+from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values
+from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
+                     stable_after)
+from .compiling import FAILED, Compiling, RegionCompiler
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -40,34 +38,9 @@ from .stats import Stats
 from .tracer import outside_tracers
 
 aten = torch.ops.aten
-_FAILED = "failed"
 ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
-
-
-def _compiler_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
-
-
-_COMPILER_THREAD = _compiler_thread()
-
-
-def _after_fork_in_child() -> None:
-    """A fork copies the executor but not its thread: the fork's compiles get a thread of their own."""
-    global _COMPILER_THREAD
-    _COMPILER_THREAD = _compiler_thread()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class Compiling(NamedTuple):
-    """A region compiling in the background: the job, and the graph it was asked for (the
-    compiled region's recorded form)."""
-    job: object  # compiler.background.Job
-    gm: torch.fx.GraphModule
-    site: object  # generic.Site or None
 
 
 class OpInfo(NamedTuple):
@@ -78,7 +51,7 @@ class OpInfo(NamedTuple):
     lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
 
 
-class Runtime(GenericSites, CachedPlans, StepRunner):
+class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -381,7 +354,7 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
         its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
         `before`: node index -> the signature it had at its previous size."""
         entry = self.regions.get(region.key)
-        if entry is _FAILED:
+        if entry is FAILED:
             return None
         if type(entry) is Compiling:
             return self._when_compiled(segment, region, entry)
@@ -413,82 +386,6 @@ class Runtime(GenericSites, CachedPlans, StepRunner):
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
         return self._compile(segment, region, site)
-
-    def _give_up(self, region: Region, reason: Reason) -> None:
-        self.regions.put(region.key, _FAILED)
-        self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
-
-    def _compile(self, segment: Segment, region: Region, site):
-        """The region compiled now, or (compiling in the background) None while its ops run eagerly;
-        `site`: its generic.Site, if it has one, which counts the compile."""
-        from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
-
-        in_flight = sum(1 for entry in self.regions.values() if type(entry) is Compiling)
-        name = f"region{len(self.stats.regions) + in_flight + 1}"
-        started = time.perf_counter()
-        passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
-        after = native_after_runs(segment.settings.mode)
-        try:
-            gm = build_graph(segment, region)
-            inputs = region.arguments(segment)
-            if compiles_in_background(segment.settings):
-                compiled = self.in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
-            else:
-                compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
-                                                   native_after_runs=after)
-        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
-        if isinstance(compiled, background.Job):
-            self.regions.put(region.key, Compiling(compiled, gm, site))
-            self.stats.background_compiles += 1
-            self.stats.compiling_ops += len(region.nodes)
-            return None
-        return self._compiled(segment, region, site, compiled, started, cached=cache.stats.compiles == passes_run)
-
-    def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
-        """The region compiling in the background, put to use once it is compiled; None until then."""
-        from ..compiler import finish
-
-        job = compiling.job
-        if not job.done():
-            self.stats.compiling_ops += len(region.nodes)
-            return None
-        if job.lost is not None:  # the compile process failed (it warned): compile here instead
-            del self.regions[region.key]
-            return self._compile(segment, region, compiling.site)
-        DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
-                             ops=len(region.nodes), seconds_compiling=job.seconds)
-        started = time.perf_counter()
-        try:
-            compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
-                                               native_after_runs(segment.settings.mode))
-        except Exception as error:
-            return self._give_up(region, Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100]))
-        return self._compiled(segment, region, compiling.site, compiled, started, background_seconds=job.seconds)
-
-    def _compiled(self, segment: Segment, region: Region, site, compiled, started: float, cached: bool = False,
-                  background_seconds: float = 0.0) -> CompiledEntry:
-        """Cache a region's compile and tell the statistics; `started`: when this process began the
-        work (the compile, or taking in a background compile's result)."""
-        seconds = time.perf_counter() - started
-        DEVICE.timeline.host("compilation", compiled.name, started, seconds, ops=len(region.nodes))
-        entry = CompiledEntry(compiled, region, seconds, compiled.name,
-                              tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
-        self.regions.put(region.key, entry)
-        self.events.publish(events.RegionCompiled(
-            compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
-            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
-            cached=cached, background_seconds=background_seconds))
-        if site is not None:
-            self._count_compile(site, entry.name)
-        return entry
-
-    @staticmethod
-    def in_compiler_thread(compile_fn, *args, **kwargs):
-        """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
-        a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
-        dispatch state breaks that tracing. A thread of its own starts from clean state."""
-        return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
 
 
 def _flat(values):

@@ -1,0 +1,131 @@
+"""The runtime's part in compiling regions: the compiler called on a thread of its own, or handed
+the region to compile in the compile process (background compiles) and the result taken in at a
+later flush; a compiled region cached under its key and told to the statistics and the events. A
+region the compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
+`Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `regions`
+cache, statistics and events, and GenericSites' `_count_compile`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import NamedTuple
+
+import torch
+
+from ..device.runtime import DEVICE
+from . import events
+from .policy import Reason, Why, compiles_in_background, native_after_runs
+from .regions import CompiledEntry, Region, build_graph
+from .segment import Segment
+
+FAILED = "failed"  # the regions cache's entry for a region the compiler failed on
+
+
+def _compiler_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+
+
+_COMPILER_THREAD = _compiler_thread()
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the executor but not its thread: the fork's compiles get a thread of their own."""
+    global _COMPILER_THREAD
+    _COMPILER_THREAD = _compiler_thread()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Compiling(NamedTuple):
+    """A region compiling in the background: the job, and the graph it was asked for (the
+    compiled region's recorded form)."""
+    job: object  # compiler.background.Job
+    gm: torch.fx.GraphModule
+    site: object  # generic.Site or None
+
+
+def compile_failure(error: Exception) -> Reason:
+    return Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100])
+
+
+class RegionCompiler:
+    """Methods of `Runtime` (adaptive/runtime.py) that compile regions."""
+
+    def _give_up(self, region: Region, reason: Reason) -> None:
+        self.regions.put(region.key, FAILED)
+        self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
+
+    def _compile(self, segment: Segment, region: Region, site):
+        """The region compiled now, or (compiling in the background) None while its ops run eagerly;
+        `site`: its generic.Site, if it has one, which counts the compile."""
+        from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
+
+        in_flight = sum(1 for entry in self.regions.values() if type(entry) is Compiling)
+        name = f"region{len(self.stats.regions) + in_flight + 1}"
+        started = time.perf_counter()
+        passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
+        after = native_after_runs(segment.settings.mode)
+        try:
+            gm = build_graph(segment, region)
+            inputs = region.arguments(segment)
+            if compiles_in_background(segment.settings):
+                compiled = self.in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
+            else:
+                compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
+                                                   native_after_runs=after)
+        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
+            return self._give_up(region, compile_failure(error))
+        if isinstance(compiled, background.Job):
+            self.regions.put(region.key, Compiling(compiled, gm, site))
+            self.stats.background_compiles += 1
+            self.stats.compiling_ops += len(region.nodes)
+            return None
+        return self._compiled(segment, region, site, compiled, started, cached=cache.stats.compiles == passes_run)
+
+    def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
+        """The region compiling in the background, put to use once it is compiled; None until then."""
+        from ..compiler import finish
+
+        job = compiling.job
+        if not job.done():
+            self.stats.compiling_ops += len(region.nodes)
+            return None
+        if job.lost is not None:  # the compile process failed (it warned): compile here instead
+            del self.regions[region.key]
+            return self._compile(segment, region, compiling.site)
+        DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
+                             ops=len(region.nodes), seconds_compiling=job.seconds)
+        started = time.perf_counter()
+        try:
+            compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
+                                               native_after_runs(segment.settings.mode))
+        except Exception as error:
+            return self._give_up(region, compile_failure(error))
+        return self._compiled(segment, region, compiling.site, compiled, started, background_seconds=job.seconds)
+
+    def _compiled(self, segment: Segment, region: Region, site, compiled, started: float, cached: bool = False,
+                  background_seconds: float = 0.0) -> CompiledEntry:
+        """Cache a region's compile and tell the statistics; `started`: when this process began the
+        work (the compile, or taking in a background compile's result)."""
+        seconds = time.perf_counter() - started
+        DEVICE.timeline.host("compilation", compiled.name, started, seconds, ops=len(region.nodes))
+        entry = CompiledEntry(compiled, region, seconds, compiled.name,
+                              tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
+        self.regions.put(region.key, entry)
+        self.events.publish(events.RegionCompiled(
+            compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
+            [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
+            cached=cached, background_seconds=background_seconds))
+        if site is not None:
+            self._count_compile(site, entry.name)
+        return entry
+
+    @staticmethod
+    def in_compiler_thread(compile_fn, *args, **kwargs):
+        """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
+        a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
+        dispatch state breaks that tracing. A thread of its own starts from clean state."""
+        return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
