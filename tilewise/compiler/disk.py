@@ -119,17 +119,7 @@ def _private_directory(path: str) -> int:
     """A descriptor of `path`, made (with its missing parents) 0700 if missing, and checked to be
     a directory of this user's that others cannot write into."""
     _make_directories(path)
-    try:
-        fd = os.open(path, _OPEN_DIRECTORY)
-    except OSError as error:
-        _refuse_symlink(path, error)
-        raise
-    try:
-        _check_directory(os.fstat(fd), path)
-    except Untrusted:
-        os.close(fd)
-        raise
-    return fd
+    return _opened_and_checked(lambda: os.open(path, _OPEN_DIRECTORY), _check_directory, path)
 
 
 def _make_directories(path: str) -> None:
@@ -187,13 +177,19 @@ def _check_private_file(info: os.stat_result, path: str) -> None:
 def _open_private_file(dir_fd: int, name: str, path: str) -> int:
     """A descriptor of the file `name` in the directory `dir_fd`, opened without following a
     symbolic link and checked on that descriptor; FileNotFoundError when there is none."""
+    return _opened_and_checked(lambda: os.open(name, _OPEN_FILE, dir_fd=dir_fd), _check_private_file, path)
+
+
+def _opened_and_checked(opener, check, path: str) -> int:
+    """The descriptor `opener` opens (with O_NOFOLLOW: a symbolic link is Untrusted), once `check`
+    passes on its fstat; closed again if it does not."""
     try:
-        fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+        fd = opener()
     except OSError as error:
         _refuse_symlink(path, error)
         raise
     try:
-        _check_private_file(os.fstat(fd), path)
+        check(os.fstat(fd), path)
     except Untrusted:
         os.close(fd)
         raise
