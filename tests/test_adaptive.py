@@ -217,6 +217,19 @@ def test_engines_nest_and_inner_mode_wins():
     torch.testing.assert_close(c.cpu(), (x.cpu() + 1) * 2 - 1)
 
 
+def test_a_second_model_of_the_same_architecture_compiles_as_the_first():
+    """Training a new TinyGPT in the same process (a sweep, k folds): each layer's ops are alike
+    but for their sizes, and the engine took the last layer's signature for the previous size of
+    the next one, so the second model's region looked shape-generic; its compile failed and the
+    whole step ran eagerly."""
+    reference = WORKLOADS["gpt"]("cpu", "eager", steps=8)
+    for _ in range(2):
+        assert_same(reference, run("gpt", "adaptive", steps=8)[0], PARAM_ATOL["gpt"])
+        stats = tilewise.stats()
+        assert stats.compiles == 1 and stats.compiled_fraction > 0.5, stats.report()
+        assert not stats.fallbacks and stats.specialisations == 0, stats.report()
+
+
 def test_a_flush_from_the_program_replays_outside_the_engines_dispatch_mode(monkeypatch):
     """tilewise.sync() and the end of a block flush with the tracer on the mode stack: the replayed
     host ops must not go through it (each would pay a Python dispatch), nested blocks included."""

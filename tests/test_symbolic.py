@@ -2,6 +2,8 @@
 
 Every test checks values against CPU and counts compiles: a site (a region's ops without sizes)
 compiles at most twice however many sizes come, and runs >= 90% of compute ops compiled."""
+import operator
+
 import pytest
 import torch
 
@@ -198,6 +200,73 @@ def test_generic_region_runs_the_recorded_ops_on_the_host_not_their_decompositio
         (out,) = generic.run(x, w)
         assert torch.equal(out, torch.log_softmax(torch.nn.functional.gelu(x @ w), -1))
         torch.testing.assert_close(generic.run_torch(x, w)[0], out)
+
+
+def test_a_dim_the_trace_pins_to_its_size_leaves_a_program_for_that_size():
+    """A size seen to change that the region's ops force to one value (mm's inner dim against a
+    static weight): the trace has no symbol left, the guards pin the size, and the one program
+    serves it (it failed with 'NoneType' object is not callable)."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output((graph.call_function(aten.mm.default, (x, w)),))
+    x, w = torch.randn(8, 32), torch.randn(32, 16)
+    generic = compile_generic(torch.fx.GraphModule(torch.nn.Module(), graph), [x, w],
+                              Dynamic((frozenset({1}), frozenset())), DEVICE.spec, "r", limit=2)
+    assert generic.admits([x, w]) and not generic.admits([torch.randn(8, 33), w])
+    made, new = generic.specialise([x, w])
+    assert not new and made.launches and made.outputs[0][0] == (8, 16)
+    assert torch.equal(generic.run(x, w)[0], x @ w)
+
+
+def test_a_float_made_of_sizes_is_evaluated_at_each_size():
+    """var_mean's decomposition divides by a SymFloat of the reduced size: the passes at another
+    size take its value (AttributeError: 'SymFloat' object has no attribute 'shape' before: a
+    LayerNorm MLP trained after one of another width ran eagerly)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(tuple(graph.call_function(
+        operator.getitem, (graph.call_function(aten.var_mean.correction, (x, [1]), {"correction": 0}), i))
+        for i in range(2)))
+    generic = compile_generic(torch.fx.GraphModule(torch.nn.Module(), graph), [torch.randn(24, 48)],
+                              Dynamic((frozenset({1}),)), DEVICE.spec, "r", limit=2)
+    assert any(isinstance(n.meta.get("val"), torch.SymFloat) for n in generic.gm.graph.nodes)
+    x = torch.randn(24, 40)
+    made = generic.by_passes(generic.sizes([x]))
+    assert made.launches and made.outputs[0][0] == (24,)
+    want = torch.var_mean(x, 1, correction=0)
+    assert all(torch.equal(got, w) for got, w in zip(generic.run(x), want))  # the recorded op: CPU's bits
+
+
+def _train_layernorm_mlp(device, width, steps=10):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
+                                torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
+                                torch.nn.Linear(width, 10)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(24, 32, generator=data), torch.randint(0, 10, (24,), generator=data)
+        loss = torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_models_of_two_widths_in_one_process_both_compile():
+    """A width sweep: the second model's regions are the first's at other sizes, so they
+    generalise; none may fail to compile (two compiler bugs made these run eagerly)."""
+    for width in (64, 48):
+        reference = _train_layernorm_mlp("cpu", width)
+        tilewise.stats().reset()
+        with tilewise.engine(mode="adaptive"):
+            losses = _train_layernorm_mlp("neuron", width)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+        stats = tilewise.stats()
+        failed = {reason for _, reason in stats.fallbacks if reason.startswith(Why.COMPILE_FAILED.value)}
+        assert not failed and stats.compiles >= 1 and stats.compiled_fraction > 0.6, stats.report()
 
 
 def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():

@@ -6,6 +6,7 @@ statistics and events.
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -43,11 +44,16 @@ class GenericSites:
         for fp in set(generic):
             self.seen_generic.count(fp)
         before = {}
+        occurrences: collections.Counter = collections.Counter()
         for i, fp in enumerate(generic):
-            last = self.last_sigs.get(fp)
+            # the k-th node of the segment with this shape-free fingerprint: ops alike but for
+            # their sizes (each layer's weight transposed) are as many places, not one
+            place = (fp, occurrences[fp])
+            occurrences[fp] += 1
+            last = self.last_sigs.get(place)
             if last is not None and last != nodes[i].sig:
                 before[i] = last
-            self.last_sigs.put(fp, nodes[i].sig)
+            self.last_sigs.put(place, nodes[i].sig)
         return {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}, before
 
     def _count_compile(self, site: Site, name: str) -> None:

@@ -89,7 +89,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.skeletons = BoundedCache(signatures)
         self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
         self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
-        self.last_sigs = BoundedCache(signatures)     # shape-free fingerprint -> the node.sig it had last
+        self.last_sigs = BoundedCache(signatures)     # (shape-free fingerprint, k-th in its segment) -> its last node.sig
         self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
         self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
 

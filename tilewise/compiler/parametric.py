@@ -100,7 +100,10 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
             for _, pass_fn in passes:
                 region = pass_fn(region)
         exprs: list = []
-        fill = _filler((region.launches, opaque_calls(region), output_layouts(region.gm)), exprs, {})
+        program = (region.launches, opaque_calls(region), output_layouts(region.gm))
+        # None: no size of the program is symbolic (an int input that decides no size changed),
+        # so it is the same program at every size
+        fill = _filler(program, exprs, {}) or (lambda computed, made: program)
     except Exception as error:
         raise NotParametric(f"{type(error).__name__}: {error}"[:160]) from error
     pinned = [f"{old} = {env.replacements[new]}" for old, new in fresh.items()

@@ -209,18 +209,19 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
 
 def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
     """The symbolic graph at one size, without tracing again: every size computation (sym_size,
-    int arithmetic, an int input) becomes its value in its users' arguments, every tensor's
+    int arithmetic, an int input, a float made of sizes) becomes its value in its users' arguments, every tensor's
     recorded metadata a meta tensor of the concrete size. The later passes read only these; the
     result is lowered and costed, never run (the host runs the symbolic graph)."""
     graph = torch.fx.Graph()
-    ints: dict[torch.fx.Node, int] = {}
+    scalars: dict[torch.fx.Node, int | float | bool] = {}
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")
-        if isinstance(value, torch.SymInt):
-            ints[node] = _evaluate(value, values)
+        cast = _SCALARS.get(type(value))
+        if cast is not None:  # a size, or a float or bool computed from sizes (a mean's 1 / n)
+            scalars[node] = cast(value.node.expr.xreplace(values))
             continue
-        new = graph.node_copy(node, lambda n: ints[n] if n in ints else env[n])
+        new = graph.node_copy(node, lambda n: scalars[n] if n in scalars else env[n])
         if isinstance(value, torch.Tensor):
             new.meta["val"] = torch.empty_strided([_evaluate(v, values) for v in value.shape],
                                                   [_evaluate(v, values) for v in value.stride()],
@@ -232,6 +233,9 @@ def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
                 for v_ in value)
         env[node] = new
     return _make_graph_module(gm, graph)
+
+
+_SCALARS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 def _evaluate(size, values: dict) -> int:
