@@ -223,6 +223,49 @@ def test_inputs_in_other_strides_than_compiled_are_relaid_out():
     assert torch.equal(compiled.run(transposed)[0], fn(transposed))
 
 
+def test_results_go_straight_into_the_buffers_given_where_laid_out_alike():
+    fn = lambda x, y: (x * 2 + y, (x - y).sum(1))  # noqa: E731
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    compiled = compiled_native(fn, [x, y])
+    assert native_calls(compiled) >= 1
+    want = fn(x, y)
+    given = (torch.full((6, 8), float("nan")), torch.full((6,), float("nan")))
+    got = compiled.run(x, y, out=given)
+    assert got[0] is given[0] and got[1] is given[1]  # written by the C: nothing left to copy
+    assert all(torch.equal(g, w) for g, w in zip(given, want))
+    # a buffer laid out otherwise (transposed), of another dtype, or none: a fresh result to copy
+    other = (torch.empty(8, 6).t(), None)
+    got = compiled.run(x, y, out=other)
+    assert got[0] is not other[0] and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert compiled.run(x, y, out=(torch.empty(6, 8, dtype=torch.float64),))[0].dtype == torch.float32
+    assert all(torch.equal(g, w) for g, w in zip(compiled.run(x, y), want))
+
+
+def test_an_adaptive_regions_c_writes_its_escaping_result_in_place(monkeypatch):
+    """The engine gives a region the buffers its outputs were recorded into: with its C running,
+    the chain's result (4 MiB) is written there, not computed aside and copied."""
+    from tilewise.adaptive import regions
+
+    copies = []
+    store = regions.store
+    monkeypatch.setattr(regions, "store", lambda buffer, value: (copies.append(buffer.shape), store(buffer, value)))
+    tilewise.reset_caches()
+    x = torch.randn(1024, 1024)
+    x_dev = x.to("neuron")
+    with tilewise.config.patch(host_backend="native", cache_dir=""), tilewise.engine(mode="adaptive", threshold=2):
+        for _ in range(3):
+            y = (x_dev * 3 + 1) / (x_dev - 0.5)
+            tilewise.sync()
+        (entry,) = [e for e in RUNTIME.regions.values() if isinstance(e, CompiledEntry)]
+        assert entry.compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
+        copies.clear()
+        runs = entry.runs
+        y = (x_dev * 3 + 1) / (x_dev - 0.5)
+        tilewise.sync()
+    assert copies == [] and entry.runs == runs + 1
+    assert torch.equal(y.cpu(), (x * 3 + 1) / (x - 0.5))
+
+
 # -- what stays on PyTorch, and why --------------------------------------------------------------
 
 def test_kernels_c_cannot_express_keep_pytorch_with_a_typed_reason():

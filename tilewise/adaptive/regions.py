@@ -240,9 +240,11 @@ class CompiledEntry:
         self.seconds = sum(launch.seconds for launch in compiled.cost)
 
     def run(self, segment: Segment, region: Region) -> None:
-        results = self.compiled.run(*arguments(segment, region, self.ints))
-        for (n, o), value in zip(region.outputs, results):
-            store(segment.nodes[n].outs[o], value)
+        buffers = tuple([segment.nodes[n].outs[o] for n, o in region.outputs])
+        results = self.compiled.run(*arguments(segment, region, self.ints), out=buffers)
+        for buffer, value in zip(buffers, results):
+            if value is not buffer:  # else the region wrote it in place
+                store(buffer, value)
         record = DEVICE.cores[segment.core].timeline.record
         for launch in self.compiled.cost:
             record(*launch, self.name)
@@ -268,9 +270,9 @@ class Sized:
     def __init__(self, generic, made):
         self.generic, self.made, self.cost = generic, made, made.cost
 
-    def run(self, *inputs) -> tuple:
+    def run(self, *inputs, out: tuple = ()) -> tuple:
         self.generic.runs += 1
-        return self.generic.run(*inputs)
+        return self.generic.run(*inputs)  # no native tier: `out` is the caller's to fill
 
     @property
     def passes_text(self) -> list[str]:

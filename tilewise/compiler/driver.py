@@ -57,9 +57,11 @@ class CompiledRegion:
         self.source = source
         self._host = HostExecutable(gm, self.native, source)
 
-    def run(self, *inputs) -> tuple:
-        """Whole-tensor host execution; applies in-place updates of inputs like the source graph."""
-        return self._host.run(*inputs)
+    def run(self, *inputs, out: tuple = ()) -> tuple:
+        """Whole-tensor host execution; applies in-place updates of inputs like the source graph.
+        `out`: buffers the results are to end in, written directly where the native tier can
+        (HostExecutable.run)."""
+        return self._host.run(*inputs, out=out)
 
     def run_torch(self, *inputs) -> tuple:
         """The decomposed graph on PyTorch, whatever the tier (the reference the native one is held to)."""

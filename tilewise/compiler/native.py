@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..errors import CompileError
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
@@ -218,9 +219,10 @@ class IndexOutOfRange(Exception):
 
 class _KernelCall:
     """Calls one C kernel: the input tensors' addresses (relaid out to the compiled strides if they
-    come otherwise), fresh outputs in the region's strides, and their addresses."""
+    come otherwise), its outputs' addresses: fresh tensors in the region's strides, or for an output
+    the region returns, the buffer it is to end in (`destinations`) where that is laid out alike."""
 
-    def __init__(self, ckernel: CKernel, function):
+    def __init__(self, ckernel: CKernel, function, destinations: threading.local, returned: dict[str, int]):
         self.name = ckernel.name
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_int64] * (len(ckernel.inputs) + len(ckernel.outputs))
@@ -231,14 +233,30 @@ class _KernelCall:
         refs = {a.ref.node: a.ref for a in ckernel.outputs}
         self.allocations = [_allocation(refs[node]) for node in self.output_nodes]
         self.outputs = [self.output_nodes.index(a.ref.node) for a in ckernel.outputs]
+        self.destinations = destinations
+        # (output index, the region's output position, the layout a buffer must have) per returned output
+        self.returned = [(index, returned[node], _layout(refs[node])) for index, node in enumerate(self.output_nodes)
+                         if node in returned]
 
     def __call__(self, *tensors):
         held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
         outputs = [allocate() for allocate in self.allocations]
+        if self.returned:
+            self.write_in_place(outputs)
         addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
         if self.function(*addresses) != 0:
             raise IndexOutOfRange(self.name)
         return tuple(outputs)
+
+    def write_in_place(self, outputs: list) -> None:
+        """Outputs the region returns go straight into the buffers they are to end in (given by
+        HostExecutable.run's `out`), where those are laid out as the kernel writes: no copy after."""
+        buffers = getattr(self.destinations, "buffers", ())
+        for index, position, layout in self.returned:
+            if position < len(buffers):
+                buffer = buffers[position]
+                if buffer is not None and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
+                    outputs[index] = buffer
 
     @staticmethod
     def prepared(tensor: torch.Tensor, arg) -> torch.Tensor:
@@ -260,11 +278,25 @@ def _allocation(ref):
     return functools.partial(torch.empty_strided, ref.shape, ref.stride, dtype=ref.dtype)
 
 
-def executable(gm: torch.fx.GraphModule, program: NativeProgram, library) -> torch.fx.GraphModule:
+def _layout(ref) -> tuple:
+    """(shape, strides, dtype) of the buffer a kernel writes this output into."""
+    made = _allocation(ref)
+    example = made.func(*made.args, dtype=ref.dtype, device="meta")
+    return (example.shape, example.stride(), example.dtype)
+
+
+def executable(gm: torch.fx.GraphModule, program: NativeProgram, library,
+               destinations: threading.local | None = None) -> torch.fx.GraphModule:
     """The region's graph with each native kernel's nodes replaced by one call of its function,
     placed where the kernel's first node was (its inputs are computed by then: the interpreter
-    runs a kernel at the same place)."""
+    runs a kernel at the same place). A kernel output the graph returns is written into the
+    buffer `destinations.buffers` gives for its position, when there is one laid out alike."""
     owner = {node: ck for ck in program.kernels for node in ck.nodes}
+    destinations = destinations if destinations is not None else threading.local()
+    returned: dict[str, int] = {}
+    for position, value in enumerate(pytree.tree_leaves(gm.graph.output_node().args[0])):
+        if isinstance(value, torch.fx.Node):
+            returned.setdefault(value.name, position)
     graph, env, done = torch.fx.Graph(), {}, set()
     for node in gm.graph.nodes:
         ckernel = owner.get(node.name)
@@ -274,7 +306,7 @@ def executable(gm: torch.fx.GraphModule, program: NativeProgram, library) -> tor
         if ckernel.name in done:
             continue
         done.add(ckernel.name)
-        call = _KernelCall(ckernel, getattr(library, ckernel.symbol))
+        call = _KernelCall(ckernel, getattr(library, ckernel.symbol), destinations, returned)
         function = _named(call, f"native_{ckernel.name}")
         result = graph.call_function(function, tuple(env[name] for name in call.input_nodes))
         for index, name in enumerate(call.output_nodes):
@@ -311,6 +343,7 @@ class HostExecutable:
         self.where = None  # the disk cache a started build reads and writes (disk.Location)
         self.trial: _Trial | None = None
         self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
+        self.destinations = threading.local()  # `out` of the run in progress on each thread
 
     def arm(self, runs: int | None = None) -> None:
         """Build the native executable once the region has run `runs` times (None:
@@ -319,7 +352,19 @@ class HostExecutable:
         if self.tier is Tier.TORCH and self.runs_to_build == 0:
             self.runs_to_build = max(1, NATIVE_AFTER_RUNS if runs is None else runs)
 
-    def run(self, *inputs) -> tuple:
+    def run(self, *inputs, out: tuple = ()) -> tuple:
+        """The region's results. `out`: per result, the buffer it is to end in (or None); the native
+        executable writes results straight into those laid out as its kernels write (that result
+        is then the buffer itself), the caller copies the others."""
+        if not out:
+            return self._run(inputs)
+        self.destinations.buffers = out
+        try:
+            return self._run(inputs)
+        finally:
+            self.destinations.buffers = ()
+
+    def _run(self, inputs: tuple) -> tuple:
         if self.runs_to_build:
             self.runs_to_build -= 1
             if not self.runs_to_build:
@@ -362,7 +407,7 @@ class HostExecutable:
     def build_now(self) -> None:
         try:
             library = load(self.program.source, self.where)
-            native = executable(self.gm, self.program, library)
+            native = executable(self.gm, self.program, library, self.destinations)
         except (CompileError, OSError, AttributeError) as error:
             if _EXITING.is_set():  # the private directory is gone with the process: nothing failed
                 return
