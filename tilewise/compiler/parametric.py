@@ -101,8 +101,8 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
                 region = pass_fn(region)
         exprs: list = []
         program = (region.launches, opaque_calls(region), output_layouts(region.gm))
-        # None: no size of the program is symbolic (an int input that decides no size changed),
-        # so it is the same program at every size
+        # None: nothing in the program is symbolic (the trace pinned every size it was given, as
+        # mm's inner dim against a static weight): one program for every size the guards admit
         fill = _filler(program, exprs, {}) or (lambda computed, made: program)
     except Exception as error:
         raise NotParametric(f"{type(error).__name__}: {error}"[:160]) from error

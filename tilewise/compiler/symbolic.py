@@ -9,8 +9,9 @@ expensive pass). What the trace assumed about the symbols comes back as the Shap
 cache miss, never an error.
 
 The host runs the region's recorded ops on the real buffers (driver.source_graph, as a static region
-does before its native tier): the symbolic graph, their decomposition (a sequence classifier's
-~70 recorded ops are ~290 nodes), stays the reference of the tile programs. The tile programs, which the cost model charges, are *parametric* (parametric.py): the later passes
+does before its native tier); the symbolic graph, their decomposition (a sequence classifier's ~70
+recorded ops are ~290 nodes), is what the tile programs are made from. The tile programs, which the
+cost model charges, are *parametric* (parametric.py): the later passes
 (partition, lower with its memory fit, schedule) run once on the symbolic graph with the sizes as
 SymInts, so loop extents, HBM views and live bytes come out as expressions of the region's size
 symbols, and every decision the passes took on a size comes out as a guard (a row that must fit
