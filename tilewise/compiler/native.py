@@ -240,23 +240,24 @@ class _KernelCall:
 
     def __call__(self, *tensors):
         held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
-        outputs = [allocate() for allocate in self.allocations]
-        if self.returned:
-            self.write_in_place(outputs)
+        outputs = self.given_or_fresh() if self.returned else [allocate() for allocate in self.allocations]
         addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
         if self.function(*addresses) != 0:
             raise IndexOutOfRange(self.name)
         return tuple(outputs)
 
-    def write_in_place(self, outputs: list) -> None:
-        """Outputs the region returns go straight into the buffers they are to end in (given by
-        HostExecutable.run's `out`), where those are laid out as the kernel writes: no copy after."""
+    def given_or_fresh(self) -> list:
+        """The kernel's output tensors: an output the region returns goes straight into the buffer
+        it is to end in (given by HostExecutable.run's `out`) where that is laid out as the kernel
+        writes, so nothing is copied after; the others are allocated."""
+        outputs: list = [None] * len(self.allocations)
         buffers = getattr(self.destinations, "buffers", ())
         for index, position, layout in self.returned:
             if position < len(buffers):
                 buffer = buffers[position]
                 if buffer is not None and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
                     outputs[index] = buffer
+        return [allocate() if out is None else out for out, allocate in zip(outputs, self.allocations)]
 
     @staticmethod
     def prepared(tensor: torch.Tensor, arg) -> torch.Tensor:
@@ -280,19 +281,17 @@ def _allocation(ref):
 
 def _layout(ref) -> tuple:
     """(shape, strides, dtype) of the buffer a kernel writes this output into."""
-    made = _allocation(ref)
-    example = made.func(*made.args, dtype=ref.dtype, device="meta")
+    example = _allocation(ref)(device="meta")
     return (example.shape, example.stride(), example.dtype)
 
 
 def executable(gm: torch.fx.GraphModule, program: NativeProgram, library,
-               destinations: threading.local | None = None) -> torch.fx.GraphModule:
+               destinations: threading.local) -> torch.fx.GraphModule:
     """The region's graph with each native kernel's nodes replaced by one call of its function,
     placed where the kernel's first node was (its inputs are computed by then: the interpreter
     runs a kernel at the same place). A kernel output the graph returns is written into the
     buffer `destinations.buffers` gives for its position, when there is one laid out alike."""
     owner = {node: ck for ck in program.kernels for node in ck.nodes}
-    destinations = destinations if destinations is not None else threading.local()
     returned: dict[str, int] = {}
     for position, value in enumerate(pytree.tree_leaves(gm.graph.output_node().args[0])):
         if isinstance(value, torch.fx.Node):

@@ -32,6 +32,8 @@ from .sizes import frozen
 from .tile_ir import HbmRef, Kernel, Launch, TileOp
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# what each symbolic value is at one size
+CONCRETE = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 class Made(enum.Enum):
@@ -168,16 +170,13 @@ def output_layouts(gm: torch.fx.GraphModule) -> tuple:
 
 # -- fillers: the program rebuilt at one size from its expressions' values ----------------------
 
-_CASTS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
-
-
 def _filler(value, exprs: list, memo: dict):
     """A function (values of `exprs`, memo of this size) -> `value` at that size, or None when
     `value` holds no symbolic size (it is shared as is by every size). Each symbolic value's
     expression is appended to `exprs`; tile ops shared in `value` stay shared in every result."""
     if isinstance(value, SYMBOLIC):
         exprs.append(value.node.expr)
-        index, cast = len(exprs) - 1, _CASTS[type(value)]
+        index, cast = len(exprs) - 1, CONCRETE[type(value)]
         return lambda computed, _: cast(computed[index])
     if isinstance(value, torch.Tensor):
         return _tensor_filler(value, exprs, memo)

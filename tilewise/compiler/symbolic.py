@@ -43,7 +43,7 @@ from ..errors import CompileError
 from ..reasons import Reason, Why
 from . import decompose
 from .driver import PASSES, _zeros_like_layout, source_graph
-from .parametric import Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
+from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
 from .region import Region, format_graph
 
 
@@ -218,7 +218,7 @@ def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")
-        cast = _SCALARS.get(type(value))
+        cast = CONCRETE.get(type(value))
         if cast is not None:  # a size, or a float or bool computed from sizes (a mean's 1 / n)
             scalars[node] = cast(value.node.expr.xreplace(values))
             continue
@@ -234,9 +234,6 @@ def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
                 for v_ in value)
         env[node] = new
     return _make_graph_module(gm, graph)
-
-
-_SCALARS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 def _evaluate(size, values: dict) -> int:
