@@ -302,3 +302,42 @@ def test_an_int_the_generic_trace_kept_constant_is_still_guarded(mode):
             got = program(x.to("neuron"), exponent).cpu()
             torch.testing.assert_close(got, program(x, exponent), msg=f"rows {rows}, exponent {exponent}")
     assert tilewise.stats().compiles >= 1, tilewise.stats().report()
+
+
+def test_new_sizes_take_the_plan_made_at_other_sizes_not_a_new_analysis():
+    """A length not seen before takes the plan of the same ops at other sizes (its regions
+    described again, served by the generic region) instead of the stability analysis."""
+    lengths = random_lengths(STEPS, 4, 64)
+    reference = train_seq("cpu", None, steps=STEPS, lengths=lengths)
+    result = train_seq("neuron", "adaptive", steps=STEPS, lengths=lengths)
+    assert_same_training(reference, result)
+    stats = tilewise.stats()
+    new_lengths = len(set(lengths))
+    assert new_lengths > 30 and stats.plans_at_other_sizes > 20, stats.report()
+    # each step has two segments (forward and backward, the optimizer): a handful of analyses
+    # while the regions warm up and generalise, not one per length
+    assert stats.analyses < 12, stats.report()
+    assert stats.compiled_fraction >= 0.90 and stats.evaluated_sizes > 20, stats.report()
+
+
+@pytest.mark.parametrize("keep_at", [5, 6])
+def test_a_plan_at_other_sizes_writes_a_value_the_program_now_keeps(keep_at):
+    """The plan at other sizes was made while an intermediate died inside its region; at a new size
+    the program keeps it: the region has another output, so it is analysed afresh, and the value
+    the program holds is computed (not left as the unwritten buffer of a hidden intermediate)."""
+    def program(x, keep):
+        hidden = (x * 2).tanh()
+        out = (hidden + 1).sum(dim=1)
+        return out, hidden if keep else None
+
+    rows = [4, 6, 5, 7, 9, 11, 13, 8]
+    with tilewise.engine(mode="adaptive", threshold=2):
+        for step, n in enumerate(rows):
+            x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+            out, hidden = program(x.to("neuron"), step == keep_at)
+            want_out, want_hidden = program(x, step == keep_at)
+            torch.testing.assert_close(out.cpu(), want_out, msg=f"step {step}")
+            if hidden is not None:
+                torch.testing.assert_close(hidden.cpu(), want_hidden, msg=f"step {step}")
+    stats = tilewise.stats()
+    assert stats.plans_at_other_sizes >= 1 and stats.compiles >= 1, stats.report()

@@ -81,10 +81,8 @@ class GenericSites:
         """A signature at a site that differs from its first in sizes or int arguments: served by
         the site's generic region if its guards admit it, else generalise (policy permitting)."""
         if site.generic is not None:
-            arguments = regions.arguments(segment, region, site.changes.ints)
-            # an int the trace kept constant (pow's exponent, a view size that never changed
-            # before) must still be the traced value: the ShapeEnv guards only its inputs
-            if set(changes.ints) <= set(site.changes.ints) and site.generic.admits(arguments):
+            arguments = _admitted(segment, region, site, changes)
+            if arguments is not None:
                 return self._sized(segment, region, site, arguments)
             self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
         site.sightings += 1
@@ -104,6 +102,22 @@ class GenericSites:
             self.stats.fallback("<region>", Why.ZERO_ONE_SIZE.value, len(region.nodes), source=False)
             return None
         return self._generalise(segment, region, site, changes)
+
+    def _served_at_other_sizes(self, segment: Segment, region: Region) -> CompiledEntry | None:
+        """A region of a plan reused at other sizes (plans.py): its entry if one was compiled for
+        its key, else its site's generic region if the guards admit it; None where the region needs
+        what only a full analysis decides (a compile, a wait, a site without a generic region)."""
+        entry = self.regions.get(region.key)
+        if isinstance(entry, CompiledEntry):
+            self.regions.touch(region.key)
+            return entry
+        if entry is not None:  # failed, or compiling
+            return None
+        site = self.generic_sites.get(shapes.generic_key(region.key))
+        if site is None or site.generic is None:
+            return None
+        arguments = _admitted(segment, region, site, shapes.changes(site.first, region.key))
+        return None if arguments is None else self._sized(segment, region, site, arguments)
 
     def _generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
         from ..compiler.symbolic import compile_generic  # the compiler layer sits below
@@ -153,3 +167,13 @@ class GenericSites:
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})), site.changes.ints)
         self.regions.put(region.key, entry)
         return entry
+
+
+def _admitted(segment: Segment, region: Region, site: Site, changes: shapes.Changes) -> list | None:
+    """The arguments of the site's generic region on this segment, if it serves this signature."""
+    arguments = regions.arguments(segment, region, site.changes.ints)
+    # an int the trace kept constant (pow's exponent, a view size that never changed before) must
+    # still be the traced value: the ShapeEnv guards only its inputs
+    if set(changes.ints) <= set(site.changes.ints) and site.generic.admits(arguments):
+        return arguments
+    return None

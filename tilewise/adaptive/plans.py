@@ -1,16 +1,22 @@
 """A segment's cached plan: found by the fingerprints its nodes were hashed to at record time,
 checked against their signatures and against the guards of its regions, or forgotten on a miss.
 
-The Runtime mixes this in; it provides `plans`, `dynamic_plans`, `regions`, `seen`, `stats`,
-`events`, `_plan` (analyse a segment) and `_count_dynamic`.
+A segment whose ops recur at sizes not seen before (a new sequence length, a new batch size) takes
+the plan of the same ops at other sizes: its steps without sizes (which nodes run as one region, in
+which order), each region described again at the new sizes and served as a full analysis would
+serve it (its compiled entry, or its site's shape-generic region), or else analysed afresh.
+
+The Runtime mixes this in; it provides `plans`, `dynamic_plans`, `size_free_plans`, `regions`,
+`generic_sigs`, `seen`, `stats`, `events`, `_plan` (analyse a segment), `_count_dynamic` and
+`_served_at_other_sizes`.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import events
+from . import events, shapes
 from .analysis import NodeStep
-from .regions import RegionStep, alias_signature
+from .regions import RegionStep, alias_signature, describe, needed_values
 from .segment import Segment, without_floats
 from .steps import every_node
 
@@ -50,14 +56,51 @@ class CachedPlans:
                 return steps
             self._forget(cache, key, segment, steps, missed)
             return every_node(segment)
+        steps = self._plan_at_other_sizes(segment, alias)
+        if steps is not None:
+            self.plans.put(plan_key, Plan(steps, locals_))
+            self.stats.plans_at_other_sizes += 1
+            if self.events.wants(events.SegmentRan):
+                self.events.publish(events.replay_event(self.stats.segments, segment, steps, False))
+            return steps
         steps, final, reusable = self._plan(segment)
         if final:
             self.plans.put(plan_key, Plan(steps, locals_))
+            if any(isinstance(step, RegionStep) for step in steps):
+                self.size_free_plans.put(self._size_free_key(segment, alias), tuple(
+                    tuple(step.region.nodes) if isinstance(step, RegionStep) else step for step in steps))
         elif reusable:
             # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
             # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
             members = tuple(n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes)
             self.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
+        return steps
+
+    def _size_free_key(self, segment: Segment, alias: tuple) -> tuple:
+        """The segment without sizes: its nodes' shape-free fingerprints (ops, ranks, dtypes, layout
+        patterns, where each input comes from) and which external each reads."""
+        return tuple(shapes.generic_fps(segment.nodes, self.generic_sigs)), alias
+
+    def _plan_at_other_sizes(self, segment: Segment, alias: tuple) -> list | None:
+        """The steps of a final plan made for these ops at other sizes, its regions described at
+        this segment's sizes and each served by an entry compiled for it or by its site's generic
+        region; None if there is no such plan or a region needs a full analysis."""
+        key = self._size_free_key(segment, alias)
+        groups = self.size_free_plans.get(key)
+        if groups is None:
+            return None
+        needed = needed_values(segment, [group for group in groups if type(group) is tuple])
+        steps = []
+        for group in groups:
+            if type(group) is NodeStep:
+                steps.append(group)
+                continue
+            region = describe(segment, list(group), needed)
+            entry = self._served_at_other_sizes(segment, region)
+            if entry is None:
+                return None
+            steps.append(RegionStep(region, entry))
+        self.size_free_plans.touch(key)
         return steps
 
     def _dynamic_plan(self, key, locals_):

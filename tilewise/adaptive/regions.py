@@ -289,7 +289,7 @@ class RegionStep:
     entry: CompiledEntry
 
 
-def needed_values(segment: Segment, graph, members: list[list[int]]) -> set:
+def needed_values(segment: Segment, members) -> set:
     """Functional outputs that must reach their buffers: used outside their region, or alive."""
     group = {n: r for r, region in enumerate(members) for n in region}
     needed = set()

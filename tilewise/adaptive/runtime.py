@@ -82,6 +82,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> plans.Plan
         # plans of segments whose eager nodes change constants every flush, keyed without floats
         self.dynamic_plans = BoundedCache(regions)
+        # (shape-free fingerprints, aliasing) -> a final plan's steps, regions as their node indices
+        self.size_free_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
         self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
@@ -95,7 +97,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "regions", "sites", "sightings",
+                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions", "sites", "sightings",
                  "skeletons", "generic_sigs", "seen_generic", "last_sigs", "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
                    if any(nodes[i].kind != VIEW for i in m)]
         order = analysis.execution_order(graph, members, len(nodes))
-        needed = needed_values(segment, graph, members)
+        needed = needed_values(segment, members)
         skeleton = tuple(n.func for n in nodes)
         dynamic = self.skeletons.count(skeleton) > threshold
         floating = analysis.float_dependent(nodes)

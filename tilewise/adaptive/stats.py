@@ -36,6 +36,7 @@ class Stats:
     def reset(self) -> None:
         self.segments = 0
         self.analyses = 0            # segments analysed (the rest replayed a cached plan)
+        self.plans_at_other_sizes = 0  # of the rest, planned from a plan made at other sizes
         self.ops_seen = 0
         self.ops_compiled = 0        # ops that ran inside compiled regions
         self.ops_eager = 0           # compute ops that ran one by one (warm-up, dynamic, fallbacks)
@@ -133,7 +134,8 @@ class Stats:
 
     def to_dict(self) -> dict:
         return {
-            "segments": self.segments, "analyses": self.analyses, "ops_seen": self.ops_seen,
+            "segments": self.segments, "analyses": self.analyses,
+            "plans_at_other_sizes": self.plans_at_other_sizes, "ops_seen": self.ops_seen,
             "ops_compiled": self.ops_compiled, "ops_eager": self.ops_eager,
             "transfers": self.transfers, "random_draws": self.random_draws, "warmup_ops": self.warmup_ops,
             "compiled_fraction": self.compiled_fraction,
@@ -162,7 +164,8 @@ class Stats:
     def report(self) -> str:
         lines = [
             "tilewise statistics",
-            f"  segments {self.segments} ({self.analyses} analysed, the rest replayed a cached plan), ops seen {self.ops_seen}: {self.ops_compiled} in compiled regions, "
+            f"  segments {self.segments} ({self.analyses} analysed, the rest replayed a cached plan, "
+            f"{self.plans_at_other_sizes} of them one made at other sizes), ops seen {self.ops_seen}: {self.ops_compiled} in compiled regions, "
             f"{self.ops_eager} eager ({100 * self.compiled_fraction:.1f}% of compute ops compiled); "
             f"{self.transfers} host transfers, {self.random_draws} random draws, "
             f"{self.warmup_ops} ops eager while warming up",
