@@ -112,15 +112,22 @@ def opaque_call(node) -> OpaqueCall:
                       ins, val(node))
 
 
-def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec) -> LaunchCost:
+def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec, stages: dict | None = None) -> LaunchCost:
     """One launch overhead, then each kernel in turn: its DMA overlapped with its compute. `calls`
-    maps an opaque kernel's node to its OpaqueCall."""
+    maps an opaque kernel's node to its OpaqueCall. `stages`: id of a kernel whose stage is the
+    same in every launch it is costed in -> its stage once computed (None before)."""
     first = launch.kernels[0]
     if first.kind == "opaque":
         return opaque_cost(first, calls[first.nodes[0]], spec)
     seconds, hbm, flops, busy = spec.launch_overhead_s, 0, 0, {}
     for kernel in launch.kernels:
-        stage_hbm, dma, engine, compute, stage_flops, tiles = _stage(kernel, launch, spec)
+        if stages is not None and id(kernel) in stages:
+            stage = stages[id(kernel)]
+            if stage is None:
+                stage = stages[id(kernel)] = _stage(kernel, launch, spec)
+        else:
+            stage = _stage(kernel, launch, spec)
+        stage_hbm, dma, engine, compute, stage_flops, tiles = stage
         stage = dma / tiles + max(dma, compute)
         seconds += stage
         hbm, flops = hbm + stage_hbm, flops + stage_flops

@@ -61,8 +61,14 @@ class ParametricProgram:
     """One region's tile programs for every size its guards admit. Sizes are given per symbol of
     the region's trace (sympy Symbol -> int)."""
 
-    def __init__(self, fill, order: tuple, guards: list, exprs: list, hint: dict):
+    def __init__(self, fill, order: tuple, guards: list, exprs: list, hint: dict, launches: tuple):
         self._fill, self.order, self.hint = fill, order, hint
+        # Kernels without a symbolic size are shared as they are by every size (the fillers keep
+        # them), and so is their cost: costed once per DeviceSpec. Their ids are theirs for the
+        # program's life: `launches` (the program with symbolic sizes) holds them.
+        self._launches = launches
+        self._shared_kernels = tuple(id(kernel) for launch in launches for kernel in launch.kernels)
+        self._stages: tuple = (None, {})  # (DeviceSpec, stages of the shared kernels costed for it)
         printer = PythonPrinter()
         names = {symbol: sympy.Symbol(f"s_{i}", integer=True) for i, symbol in enumerate(order)}
         args = ", ".join(str(name) for name in names.values())
@@ -82,7 +88,11 @@ class ParametricProgram:
         """The program's launches, cost and output layouts at this size (its guards must hold)."""
         computed = self._values(*(values[symbol] for symbol in self.order))
         launches, calls, outputs = self._fill(computed, {})
-        cost = tuple(launch_cost(launch, calls, spec) for launch in launches)
+        costed_for, stages = self._stages
+        if costed_for is not spec:  # a preset switched (DEVICE.use_spec) since the last size
+            stages = dict.fromkeys(self._shared_kernels)
+            self._stages = (spec, stages)
+        cost = tuple(launch_cost(launch, calls, spec, stages) for launch in launches)
         return Evaluated(launches, cost, outputs)
 
     def __repr__(self) -> str:
@@ -115,7 +125,7 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
     back = {new: old for old, new in fresh.items()}
     guards = [guard.expr.xreplace(back) for guard in env.guards] + [old >= 2 for old in fresh]
     try:
-        return ParametricProgram(fill, tuple(hint), guards, [e.xreplace(back) for e in exprs], dict(hint))
+        return ParametricProgram(fill, tuple(hint), guards, [e.xreplace(back) for e in exprs], dict(hint), program[0])
     except Exception as error:  # an expression the Python printer does not know
         raise NotParametric(f"its expressions do not compile: {type(error).__name__}: {error}"[:160]) from error
 
