@@ -341,3 +341,36 @@ def test_a_plan_at_other_sizes_writes_a_value_the_program_now_keeps(keep_at):
                 torch.testing.assert_close(hidden.cpu(), want_hidden, msg=f"step {step}")
     stats = tilewise.stats()
     assert stats.plans_at_other_sizes >= 1 and stats.compiles >= 1, stats.report()
+
+
+def _gpt_at_random_lengths(device: str, mode, steps: int):
+    """TinyGPT (dropout, a causal mask made each step, AdamW) on a new sequence length most steps,
+    the logits of every fifth step kept past its optimizer step."""
+    from tilewise.workloads import TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(3)
+    losses, kept = [], []
+    with tilewise.engine(mode=mode) if mode else torch.enable_grad():
+        for step, length in enumerate(random_lengths(steps, 4, 16, seed=5)):
+            x, y = (torch.randint(0, 64, (4, length), generator=generator) for _ in range(2))
+            logits = model(x.to(device))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), y.to(device).reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if step % 5 == 3:
+                kept.append(logits.detach())
+    return losses, [p.detach().cpu() for p in model.parameters()], [k.cpu() for k in kept]
+
+
+def test_a_transformer_at_random_lengths_matches_cpu_with_plans_made_at_other_sizes():
+    reference = _gpt_at_random_lengths("cpu", None, 16)
+    losses, params, kept = _gpt_at_random_lengths("neuron", "adaptive", 16)
+    assert_same_training(reference[:2], (losses, params))
+    for got, want in zip(kept, reference[2]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    stats = tilewise.stats()
+    assert stats.plans_at_other_sizes >= 3 and stats.compiles >= 1, stats.report()
