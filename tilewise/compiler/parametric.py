@@ -16,7 +16,6 @@ import enum
 import warnings
 from typing import NamedTuple
 
-import sympy
 import torch
 from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -28,8 +27,20 @@ from ..device.spec import DeviceSpec
 from ..reasons import Reason, Why
 from .cost import launch_cost, opaque_calls
 from .region import Region
-from .sizes import frozen
+from .sizes import frozen, recording_guards
 from .tile_ir import HbmRef, Kernel, Launch, TileOp
+
+
+class _Renaming(PythonPrinter):
+    """Python's text of an expression, its symbols printed by the names given."""
+
+    def __init__(self, names: dict):
+        super().__init__()
+        self._names = names
+
+    def _print_Symbol(self, expr) -> str:
+        return self._names.get(expr) or super()._print_Symbol(expr)
+
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # what each symbolic value is at one size
@@ -61,7 +72,9 @@ class ParametricProgram:
     """One region's tile programs for every size its guards admit. Sizes are given per symbol of
     the region's trace (sympy Symbol -> int)."""
 
-    def __init__(self, fill, order: tuple, guards: list, exprs: list, hint: dict, launches: tuple):
+    def __init__(self, fill, order: tuple, guards: list, exprs: list, hint: dict, launches: tuple, symbols: dict):
+        """`guards` and `exprs` are over `symbols` (each the lowering's symbol of a size of
+        `order`, the trace's symbols, in the same order)."""
         self._fill, self.order, self.hint = fill, order, hint
         # Kernels without a symbolic size are shared as they are by every size (the fillers keep
         # them), and so is their cost: costed once per DeviceSpec. Their ids are theirs for the
@@ -69,11 +82,12 @@ class ParametricProgram:
         self._launches = launches
         self._shared_kernels = tuple(id(kernel) for launch in launches for kernel in launch.kernels)
         self._stages: tuple = (None, {})  # (DeviceSpec, stages of the shared kernels costed for it)
-        printer = PythonPrinter()
-        names = {symbol: sympy.Symbol(f"s_{i}", integer=True) for i, symbol in enumerate(order)}
-        args = ", ".join(str(name) for name in names.values())
-        self.guard_text = " and ".join(f"({printer.doprint(g.xreplace(names))})" for g in guards) or "True"
-        values = "".join(printer.doprint(e.xreplace(names)) + ", " for e in exprs)
+        # printed with the symbols renamed, not substituted: substituting rebuilds (and so
+        # simplifies) every expression, and sympy simplifies a Max of sums at length
+        printer = _Renaming({symbols[symbol]: f"s_{i}" for i, symbol in enumerate(order)})
+        args = ", ".join(f"s_{i}" for i in range(len(order)))
+        self.guard_text = " and ".join(f"({printer.doprint(g)})" for g in guards) or "True"
+        values = "".join(printer.doprint(e) + ", " for e in exprs)
         # compiled once: a size is admitted and evaluated by two calls of plain Python arithmetic
         self._admits = eval(f"lambda {args}: {self.guard_text}", {})
         self._values = eval(f"lambda {args}: ({values})", {})
@@ -108,7 +122,7 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
              for old, size in hint.items()}
     try:
         region = Region(pass_name="parametric", gm=_graph_with_symbols(gm, env, fresh, hint), name=name, spec=spec)
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), recording_guards() as recorded:
             for _, pass_fn in passes:
                 region = pass_fn(region)
         exprs: list = []
@@ -122,10 +136,9 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
               if getattr(env.replacements.get(new), "is_number", False)]
     if pinned:
         raise NotParametric(f"the passes decided on an exact size ({', '.join(pinned)})")
-    back = {new: old for old, new in fresh.items()}
-    guards = [guard.expr.xreplace(back) for guard in env.guards] + [old >= 2 for old in fresh]
+    guards = [guard.expr for guard in env.guards] + recorded + [new >= 2 for new in fresh.values()]
     try:
-        return ParametricProgram(fill, tuple(hint), guards, [e.xreplace(back) for e in exprs], dict(hint), program[0])
+        return ParametricProgram(fill, tuple(hint), guards, exprs, dict(hint), program[0], fresh)
     except Exception as error:  # an expression the Python printer does not know
         raise NotParametric(f"its expressions do not compile: {type(error).__name__}: {error}"[:160]) from error
 

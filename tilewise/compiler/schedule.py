@@ -18,7 +18,7 @@ from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
-from .sizes import frozen, size_max
+from .sizes import frozen, largest_total, within
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
@@ -55,8 +55,7 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
     if len(kernels) == 1:
         return Launch(kernels[0].name, tuple(kernels)), []
     index_of = {k.name: i for i, k in enumerate(kernels)}
-    working = [k.sbuf_bytes_per_partition for k in kernels]
-    live = [0] * len(kernels)
+    resident_sizes: list[list] = [[] for _ in kernels]  # per kernel, the values resident across it
     resident, stored, refused = [], set(), []
     for i, kernel in enumerate(kernels):
         for ref in kernel.outputs.values():
@@ -65,17 +64,19 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
             if not direct:
                 continue
             size, last = ref.sbuf_bytes_per_partition(spec.partitions), max(direct)
-            if size_max(*(working[k] + live[k] for k in range(i, last + 1))) + size > spec.sbuf_partition_bytes:
+            span = range(i, last + 1)
+            if not within([[kernels[k].sbuf_bytes_per_partition, *resident_sizes[k], size] for k in span],
+                          spec.sbuf_partition_bytes):
                 refused.append((f"{ref.node} -> SBUF", Reason(
                     Why.SBUF, f"{_kib(size)} KiB per partition does not fit beside the live tiles of "
                             f"{name}; it goes through HBM")))
                 continue
-            for k in range(i, last + 1):
-                live[k] += size
+            for k in span:
+                resident_sizes[k].append(size)
             resident.append((ref.node, ref.rows_cols))
             if len(direct) < len(readers):
                 stored.add(ref.node)
-    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), size_max(*live))
+    launch = Launch(name, tuple(kernels), frozen(resident), frozenset(stored), largest_total(resident_sizes))
     return launch, refused
 
 

@@ -8,8 +8,11 @@ With plain ints both behave as the dict and frozenset they replace.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
+import sympy
 import torch
 
 
@@ -53,3 +56,70 @@ def size_max(*sizes):
     if any(isinstance(size, torch.SymInt) for size in sizes):
         return functools.reduce(torch.sym_max, sizes)
     return max(sizes)  # the passes ask this per tile op: plain ints take the builtin's speed
+
+
+# -- decisions on sums of sizes -------------------------------------------------------------------
+# Where a pass compares a sum of many symbolic sizes with a limit (the schedule: does a value fit in
+# SBUF beside each kernel's live tiles?), ShapeEnv's comparison first tries to prove the answer for
+# every size, which on sums of tile sizes took seconds per comparison (a transformer step's launch:
+# ~15 s of its shape-generic compile). Inside `recording_guards` the answer is taken at the hints and
+# recorded as a guard as it stands, unsimplified: the parametric program checks it per size.
+
+_lowering = threading.local()  # `guards`: the list the current parametric lowering records into
+
+
+@contextlib.contextmanager
+def recording_guards():
+    """The guards `within` records while the passes run on symbolic sizes (a list of sympy
+    relations over the ShapeEnv's symbols)."""
+    _lowering.guards = guards = []
+    try:
+        yield guards
+    finally:
+        del _lowering.guards
+
+
+def _hint(size) -> int:
+    if not isinstance(size, torch.SymInt):
+        return size
+    if not size.node.has_hint():  # no size of a lowering is data-dependent (unbacked)
+        raise TypeError(f"size {size} has no hint")
+    return size.node.hint
+
+
+def within(totals: list, limit: int) -> bool:
+    """Whether each total (a list of sizes to add) is at most `limit`."""
+    guards = getattr(_lowering, "guards", None)
+    if guards is None or not has_symbols(totals):  # plain ints, or ShapeEnv's own comparison
+        return all(torch.sym_sum(parts) <= limit for parts in totals)
+    largest, hint = _max([_sum(parts) for parts in totals])
+    inside = hint <= limit
+    guards.append(sympy.Le(largest, limit, evaluate=False) if inside else sympy.Gt(largest, limit, evaluate=False))
+    return inside
+
+
+def largest_total(totals: list):
+    """The largest of the totals (lists of sizes to add): an int, or a SymInt whose expression is
+    their Max, built as it stands (sympy.Max compares its arguments pairwise to simplify)."""
+    symbolic = [size for parts in totals for size in parts if isinstance(size, torch.SymInt)]
+    if not symbolic:
+        return max((sum(parts) for parts in totals), default=0)
+    expr, hint = _max([_sum(parts) for parts in totals])
+    return symbolic[0].node.shape_env.create_symintnode(expr, hint=hint)
+
+
+def _max(sums: list) -> tuple:
+    """(the largest of the sums as a sympy expression, as it stands; its value at the hints)."""
+    hint = max(hint for _, hint in sums)
+    if len(sums) == 1:
+        return sums[0][0], hint
+    return sympy.Max(*(expr for expr, _ in sums), evaluate=False), hint
+
+
+def _sum(parts: list) -> tuple:
+    """(the sum as a sympy expression, as it stands; its value at the hints)."""
+    exprs = [size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size) for size in parts]
+    hint = sum(_hint(size) for size in parts)
+    if len(exprs) < 2:  # an empty sum is zero
+        return (exprs[0] if exprs else sympy.Integer(0)), hint
+    return sympy.Add(*exprs, evaluate=False), hint
