@@ -77,10 +77,9 @@ class ParametricProgram:
         `order`, the trace's symbols, in the same order)."""
         self._fill, self.order, self.hint = fill, order, hint
         # Kernels without a symbolic size are shared as they are by every size (the fillers keep
-        # them), and so is their cost: costed once per DeviceSpec. Their ids are theirs for the
-        # program's life: `launches` (the program with symbolic sizes) holds them.
-        self._launches = launches
-        self._shared_kernels = tuple(id(kernel) for launch in launches for kernel in launch.kernels)
+        # them), and so is their cost: costed once per DeviceSpec. Held here by id (their ids stay
+        # theirs while they are held); a kernel with a symbolic size is made anew at every size.
+        self._kernels = {id(kernel): kernel for launch in launches for kernel in launch.kernels}
         self._stages: tuple = (None, {})  # (DeviceSpec, stages of the shared kernels costed for it)
         # printed with the symbols renamed, not substituted: substituting rebuilds (and so
         # simplifies) every expression, and sympy simplifies a Max of sums at length
@@ -104,7 +103,7 @@ class ParametricProgram:
         launches, calls, outputs = self._fill(computed, {})
         costed_for, stages = self._stages
         if costed_for is not spec:  # a preset switched (DEVICE.use_spec) since the last size
-            stages = dict.fromkeys(self._shared_kernels)
+            stages = dict.fromkeys(self._kernels)
             self._stages = (spec, stages)
         cost = tuple(launch_cost(launch, calls, spec, stages) for launch in launches)
         return Evaluated(launches, cost, outputs)
