@@ -387,3 +387,73 @@ def test_a_cached_plan_serves_only_the_signatures_it_was_made_for(monkeypatch):
     for i, value in enumerate(got):
         torch.testing.assert_close(value, programs[i % 2](x), rtol=0, atol=0)
     assert tilewise.stats().compiles >= 2  # both programs compiled, each served its own plan
+
+
+def _collections_during(run):
+    """How many cycle collections ran while `run()` ran."""
+    import gc
+    ran = []
+    callback = lambda phase, info: ran.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(callback)
+    try:
+        run()
+    finally:
+        gc.callbacks.remove(callback)
+    return ran
+
+
+def test_the_cycle_collector_stays_off_the_segments_bookkeeping_while_it_records():
+    """A recorded op keeps ~7.5 containers alive until the flush; with the collector on, a segment
+    of thousands of ops sets off dozens of collections, some of the whole heap (collector.py)."""
+    import gc
+    assert gc.isenabled()
+    x = torch.randn(64).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x + 1
+        assert not gc.isenabled()  # from the segment's first op
+
+        def record():
+            nonlocal y
+            for _ in range(3000):
+                y = y * 1.0001
+        assert _collections_during(record) == []
+        assert not gc.isenabled()
+        tilewise.sync()
+        assert gc.isenabled()  # the flush ended the pause
+        expected = x.cpu() + 1
+        for _ in range(3000):
+            expected = expected * 1.0001
+        torch.testing.assert_close(y.cpu(), expected)
+    assert gc.isenabled()
+
+
+def test_the_engine_never_turns_on_a_collector_the_program_turned_off():
+    import gc
+    x = torch.randn(8).to("neuron")
+    gc.disable()
+    try:
+        with tilewise.engine(mode="adaptive"):
+            (x + 1).cpu()
+            y = x * 2
+        assert not gc.isenabled()
+        assert torch.equal(y.cpu(), x.cpu() * 2)
+    finally:
+        gc.enable()
+
+
+def test_a_flush_that_fails_still_turns_the_collector_on_again(monkeypatch):
+    import gc
+    x = torch.randn(8).to("neuron")
+
+    def failing_drain():
+        raise RuntimeError("a flush that fails")
+    with tilewise.engine(mode="adaptive"):
+        y = x + 1
+        assert not gc.isenabled()
+        with monkeypatch.context() as patch:
+            patch.setattr(RUNTIME, "_drain", failing_drain)
+            with pytest.raises(RuntimeError, match="a flush that fails"):
+                tilewise.sync()
+        assert gc.isenabled()
+        assert torch.equal(y.cpu(), x.cpu() + 1)  # the work the failed flush left queued runs now
+    assert gc.isenabled()

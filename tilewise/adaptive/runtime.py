@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
@@ -59,6 +60,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self._flushing = False
         self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
+        # off from a segment's first recorded op to the end of its flush (collector.py)
+        self._collector = collector.Pause()
         self.events = events.EventStream()  # stats() and the explorer subscribe
         self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
@@ -139,6 +142,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
                         DEVICE.lazy_pending = True
+                        self._collector.start()
                     if len(self.segment.nodes) >= settings.max_segment_ops:
                         self.flush("segment size bound")
                     return result
@@ -243,8 +247,11 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             # Ctrl-C waits from before the segment leaves self.segment for the queue: arriving in
             # between, it lost the segment's nodes (their outputs never written) and left
             # _flushing set (no later flush ran).
-            with interrupts.deferred(), outside_tracers():
-                self._flush(reason)
+            try:
+                with interrupts.deferred(), outside_tracers():
+                    self._flush(reason)
+            finally:
+                self._collector.end()  # the segment's nodes are freed by now
 
     def _flush(self, reason: str) -> None:
         segment = self.segment
@@ -293,6 +300,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self._run_steps(segment, steps)
 
     def _plan(self, segment: Segment):
+        # an analysis and its compiles make far more objects than recording, cycles among them
+        # (fx graphs): the collector runs from here
+        self._collector.end()
         nodes, mode = segment.nodes, segment.settings.mode
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
