@@ -113,9 +113,9 @@ def test_a_summation_order_this_pytorch_does_not_use_keeps_cpus_kernel(monkeypat
     """The order is checked against this PyTorch's sums before any C uses it: with a wrong vector
     width the check fails and float sums stay on PyTorch, with the reason shown."""
     from tilewise.compiler import c_cascade
+    wrong = 64 if c_cascade.vector_bytes() == 32 else 32
     with monkeypatch.context() as patch:
-        patch.setattr(c_cascade, "_VECTOR_BYTES", {name: 64 if width == 32 else 32
-                                                   for name, width in c_cascade._VECTOR_BYTES.items()})
+        patch.setattr(c_cascade, "_VECTOR_BYTES", {name: (wrong,) for name in c_cascade._VECTOR_BYTES})
         c_cascade.vector_bytes.cache_clear()
         try:
             assert c_cascade.vector_bytes() is None

@@ -19,28 +19,33 @@ import platform
 import numpy as np
 import torch
 
-# ATen's vector width per CPU capability (vec_base.h: VECTOR_WIDTH); other machines keep CPU's kernel
-_VECTOR_BYTES = {"DEFAULT": 32, "AVX2": 32, "AVX512": 64}
+# ATen's vector widths per CPU capability (vec_base.h: VECTOR_WIDTH), widest first; other machines
+# keep CPU's kernel. An AVX-512 machine may run the sum kernel at AVX2's width: PyTorch builds most
+# kernels for AVX-512 only where it registers them so (seen here: 32-byte vectors under "AVX512").
+_VECTOR_BYTES = {"DEFAULT": (32,), "AVX2": (32,), "AVX512": (64, 32)}
 CASCADE_DTYPES = {torch.float32: "float", torch.float64: "double"}
 
 
 @functools.lru_cache(maxsize=1)
 def vector_bytes() -> int | None:
-    """Bytes of one ATen vector on this CPU, or None where the cascade's width is not known here or
-    the order below does not give this PyTorch's sums bitwise (checked once, on rows of every shape
-    the cascade distinguishes: the C follows the same steps, and tests/test_native.py holds it to it)."""
-    width = _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability()) \
-        if platform.machine() in ("x86_64", "AMD64") else None
-    if width is None:
-        return None
+    """Bytes of one vector of this PyTorch's float sums on this CPU: the first width of its
+    capability whose order below gives those sums bitwise, checked once on rows of every shape the
+    cascade distinguishes (the C follows the same steps, and tests/test_native.py holds it to it);
+    None where no width does, or the capability is not known here."""
+    widths = _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability(), ()) \
+        if platform.machine() in ("x86_64", "AMD64") else ()
+    return next((width for width in widths if _gives_cpus_sums(width)), None)
+
+
+def _gives_cpus_sums(width: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     for dtype in CASCADE_DTYPES:
         lanes = width // dtype.itemsize
         for n in (5, lanes, 37, 1000, 4099):
             row = torch.randn(n, generator=generator, dtype=dtype) * 1e3 + 0.3
             if _cascade_sum(row.numpy(), lanes) != row.sum().item():
-                return None
-    return width
+                return False
+    return True
 
 
 def _cascade_sum(row: np.ndarray, lanes: int):
