@@ -87,6 +87,83 @@ def test_broadcast_operands_and_integer_and_bool_ops_are_bitwise_cpu():
           kernels=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fn", [
+    lambda a, b, c: torch.lerp(a, b, 0.1),
+    lambda a, b, c: torch.lerp(a, b, 0.7),
+    lambda a, b, c: torch.lerp(a, b, c),
+    lambda a, b, c: torch.addcmul(a, b, c, value=0.7),
+    lambda a, b, c: torch.addcmul(a, b, c),
+    lambda a, b, c: torch.addcdiv(a, b, c.abs() + 0.5, value=-0.0113),
+    lambda a, b, c: torch._foreach_addcmul([a], [b], [c], torch.tensor([0.3], dtype=torch.float64))[0],
+    lambda a, b, c: torch._foreach_addcdiv([a], [b], [c.abs() + 0.5], torch.tensor([-0.03], dtype=torch.float64))[0],
+], ids=["lerp_small_weight", "lerp_large_weight", "lerp_tensor_weight", "addcmul", "addcmul_by_one", "addcdiv",
+        "foreach_addcmul_tensor_scalars", "foreach_addcdiv_tensor_scalars"])
+def test_multiply_adds_round_as_cpus_kernels(fn, dtype):
+    """CPU's lerp and addcmul end in one fused multiply-add and its addcdiv multiplies the number
+    first; PyTorch's decompositions round otherwise (lerp one ulp off in a tenth of the elements,
+    Adam's first moment). 1,000 + 27 elements: vector loops and scalar tails alike."""
+    a, b, c = (torch.randn(37, 1027, dtype=dtype, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    check(fn, [a, b, c], exact=True, kernels=1)
+
+
+def _with_special_values(x: torch.Tensor) -> torch.Tensor:
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, float("inf"), torch.finfo(x.dtype).tiny / 8, 1e30])
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fn", [
+    lambda x: (torch.sqrt(x), torch.sqrt(x * 3) + 1),
+    lambda x: x.clone().sqrt_() * 2,
+    lambda x: torch._foreach_sqrt([x, x + 1]),
+], ids=["sqrt", "sqrt_in_place", "foreach_sqrt"])
+def test_the_programs_own_sqrt_is_cpus_mkl_sqrt_bitwise(fn, dtype):
+    """CPU's sqrt is MKL's, not correctly rounded (a fifth of float32's elements one ulp off
+    libm's): the C calls it (vml.py), on rows of 1,027 (vector loops and tails) and special values."""
+    x = _with_special_values(torch.rand(37, 1027, dtype=dtype, generator=torch.Generator().manual_seed(0)) * 10)
+    compiled = check(fn, [x], exact=True, kernels=1)
+    assert f"{'vms' if dtype == torch.float32 else 'vmd'}Sqrt((int)" in compiled.native.source
+
+
+def test_pow_by_a_half_is_cpus_mkl_sqrt_bitwise():
+    """CPU's pow kernel takes MKL's sqrt for an exponent of 0.5 (libm's was one ulp off in a sixth
+    of the elements)."""
+    x = torch.rand(37, 1027, generator=torch.Generator().manual_seed(0)) * 10
+    compiled = check(lambda x: x.pow(0.5) + 1, [x], exact=True, kernels=1)
+    assert "vmsSqrt((int)" in compiled.native.source
+
+
+def test_adamw_steps_on_native_regions_are_bitwise_cpus(monkeypatch):
+    """AdamW's moments (lerp, addcmul: fused multiply-adds on CPU), its denominator (MKL's sqrt) and
+    its update (addcdiv) in the C round as CPU's kernels do: six steps leave every parameter
+    bitwise equal to CPU's."""
+    from native_everywhere import force_native
+    force_native(monkeypatch.setattr)
+    generator = torch.Generator().manual_seed(1)
+    start = [torch.randn(64, 33, generator=generator), torch.randn(33, generator=generator)]
+    grads = [torch.randn(p.shape, generator=generator) * 1e-2 for p in start]
+
+    def train(device):
+        params = [torch.nn.Parameter(p.clone().to(device)) for p in start]
+        opt = torch.optim.AdamW(params, lr=3e-3, foreach=True)
+        for step in range(6):
+            for p, g in zip(params, grads):
+                p.grad = (g * (step + 1)).to(device)
+            opt.step()
+        return [p.detach().cpu() for p in params]
+
+    expected = train("cpu")
+    tilewise.reset_caches()
+    stats = tilewise.stats()
+    stats.reset()
+    with tilewise.engine(mode="compiled"):
+        got = train("neuron")
+    assert stats.ops_compiled > 0, stats.report()
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), (g != e).sum()
+
+
 @pytest.mark.parametrize("fn", [
     lambda x: torch.tanh(x).exp() + torch.sigmoid(x),
     lambda x: F.gelu(x) * x.amax(-1, keepdim=True),
@@ -128,7 +205,8 @@ def test_a_summation_order_this_pytorch_does_not_use_keeps_cpus_kernel(monkeypat
 
 
 def test_softmax_and_a_normalisation_run_in_c_within_tolerance():
-    """Their exp and sqrt are libm's; their sums are CPU's order: within the dtype's tolerance."""
+    """Softmax's exp is libm's (CPU's kernel: SLEEF's), the normalisation's sqrt MKL's as CPU's; their
+    sums are CPU's order: within the dtype's tolerance."""
     x = torch.randn(200, 96)
     check(lambda x: torch.softmax(x, -1), [x], exact=False, kernels=1)
     check(lambda x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(((x - x.mean(-1, keepdim=True)) ** 2)

@@ -148,6 +148,8 @@ ELEMENTWISE: dict[str, tuple[str, Callable]] = {
     "bitwise_xor": (OUT, lambda a, b: f"({a} ^ {b})"),
     "bitwise_not": (OUT, lambda a: f"(~{a})"),
     "clamp": (OUT, lambda a, low, high: _clamp(a, low, high)),
+    # self + t1 * t2 rounded once, as CPU's kernel (decompose._addcmul leaves value 1 to it)
+    "addcmul": (OUT, lambda a, b, c: f"fma({b}, {c}, {a})"),
     **{name: (OUT, (lambda fn: lambda a: f"{fn}({a})")(fn)) for name, fn in _UNARY_MATH.items()},
 }
 # Ops whose value is their (first) operand cast to the output dtype.

@@ -27,7 +27,7 @@ from .c_exprs import (CASTS, COMBINE, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
                       INTEGER_UNSAFE, LANES, LOGICAL, NativeReason, OUT, PRELUDE,
                       PSUM_TYPE, REMAINDER_HELPERS, Scalar, Unsupported, bind, c_type,
                       cast, compute_dtype, is_tile, literal, op_name)
-from . import c_cascade
+from . import c_cascade, vml
 from .tile_ir import HbmRef, Kernel, Ops, TileOp
 
 
@@ -238,7 +238,11 @@ class KernelWriter:
         for dtype in (op.dtype, *(src.dtype for src in op.srcs)):
             c_type(dtype)  # raises Unsupported for a dtype C has no exact type for
         bound = bind(target, args, kwargs)
-        if name in CONSTANT_LIKE or name == "full_like":
+        if target in vml.OPS:
+            self.vml_call(op, vml.OPS[target], bound)
+        elif name == "pow" and bound.get("exponent") == 0.5 and "sqrt" in vml.available() and op.dtype in vml.C_PREFIX:
+            self.vml_call(op, "sqrt", bound)  # CPU's pow kernel takes its sqrt for an exponent of 0.5
+        elif name in CONSTANT_LIKE or name == "full_like":
             value = CONSTANT_LIKE.get(name, bound.get("fill_value"))
             self.tile_loop(op, literal(value, op.dtype))
         elif name in CASTS:
@@ -256,6 +260,16 @@ class KernelWriter:
             self.tile_loop(op, self.elementwise(op, name, bound))
         else:
             raise Unsupported(NativeReason.OP, f"{target} has no C translation")
+
+    def vml_call(self, op: TileOp, name: str, bound: dict) -> None:
+        """CPU's own function (vml.py): the operand cast to the op's dtype into the row, then MKL's
+        function on the row in place (its value at an element does not depend on the row's length)."""
+        if op.dtype not in vml.C_PREFIX:
+            raise Unsupported(NativeReason.DTYPE, f"{name} of {op.dtype}: MKL's functions take float32 and float64")
+        buffer, pitch, count = self.buffer(op), op.shape[1][1], self.count(op.shape[1])
+        self.partition_loop(self.count(op.shape[0]), [
+            f"for (int64_t f = 0; f < {count}; f++) {buffer}[p * {pitch} + f] = {self.operand(bound['self'], op, op.dtype)};",
+            f"{vml.c_function(name, op.dtype)}((int)({count}), &{buffer}[p * {pitch}], &{buffer}[p * {pitch}], {vml.MODE}LL);"])
 
     def check_one_hot_index(self, op: TileOp) -> None:
         """A gather's or scatter's one-hot mask (`iota == index`): an index outside the row selects
@@ -285,6 +299,10 @@ class KernelWriter:
             operands = [bound["self"]]
         if name == "clamp":  # bounds left out are None
             operands = [bound["self"], bound.get("min"), bound.get("max")]
+        if name == "addcmul":
+            if bound.get("value", 1) != 1 or not op.dtype.is_floating_point:
+                raise Unsupported(NativeReason.OP, f"addcmul of {op.dtype} by {bound.get('value', 1)} (C: fma of floats)")
+            operands = [bound["self"], bound["tensor1"], bound["tensor2"]]
         compute = compute_dtype(kind, op, operands + ([bound["exponent"]] if name == "pow" and
                                                        "exponent" in bound else []))
         if not compute.is_floating_point and name in INTEGER_UNSAFE and compute != torch.bool:
@@ -466,4 +484,5 @@ def kernel_c(kernel: Kernel, symbol: str) -> CKernel:
 
 
 def translation_unit(kernels: list[CKernel]) -> str:
-    return "\n".join([PRELUDE, REMAINDER_HELPERS, c_cascade.helpers()] + [k.source + "\n" for k in kernels])
+    sources = [k.source + "\n" for k in kernels]
+    return "\n".join([PRELUDE, vml.declarations("".join(sources)), REMAINDER_HELPERS, c_cascade.helpers()] + sources)

@@ -110,6 +110,13 @@ class _TileRun:
         elif kind in (Ops.ALU, Ops.REDUCE):
             target, args, kwargs = op.arg
             tiles = [self.valid(s) for s in op.srcs]
+            if kind is Ops.ALU and op.dtype.is_floating_point:
+                # a wider float operand is a 0-dim one (a lifted number, now a tile like any
+                # other): CPU's kernel reads it in the op's compute dtype, float32 * a float64
+                # number multiplies by the number rounded to float32, as the C does
+                compute = torch.float32 if op.dtype in (torch.bfloat16, torch.float16) else op.dtype
+                tiles = [t.to(compute) if t.is_floating_point() and t.dtype.itemsize > compute.itemsize else t
+                         for t in tiles]
             self.write(op, target(*_fill(args, tiles), **_fill(kwargs, tiles)))
         elif kind is Ops.BROADCAST:
             target = self.fresh(op)

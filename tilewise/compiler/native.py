@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import CompileError
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
+from . import vml
 from .tile_ir import Launch
 
 # -O2 with -O3's loop vectoriser: the fused chain's kernel runs within 7% of -O3 and builds in a third
@@ -138,7 +139,7 @@ def compiler() -> tuple[str, str] | None:
 def library_key(source: str) -> str:
     found = compiler()
     digest = hashlib.sha256()
-    for part in (source, " ".join(COMPILE_FLAGS), found[1] if found else ""):
+    for part in (source, " ".join(COMPILE_FLAGS + vml.link_arguments(source)), found[1] if found else ""):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
 
@@ -150,7 +151,7 @@ def build(source: str) -> bytes:
         raise CompileError(f"no C compiler {C_COMPILER!r} on PATH")
     with tempfile.TemporaryDirectory(prefix="tilewise-native-") as directory:
         target = os.path.join(directory, "kernels.so")
-        command = [found[0], *COMPILE_FLAGS, "-x", "c", "-", "-o", target, "-lm"]
+        command = [found[0], *COMPILE_FLAGS, "-x", "c", "-", "-o", target, "-lm", *vml.link_arguments(source)]
         try:
             done = subprocess.run(command, input=source, capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_SECONDS)

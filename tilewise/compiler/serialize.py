@@ -21,9 +21,10 @@ import re
 import torch
 
 from ..errors import CompileError
+from . import vml
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
-NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims}
+NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE)}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NODE_FIELDS = {"name", "op", "target", "args", "kwargs"}
 
@@ -127,7 +128,7 @@ def _resolve_op(qualified) -> torch._ops.OpOverload:
     through the registry, and what it returns must be that very overload."""
     parts = qualified.split(".") if isinstance(qualified, str) else []
     if len(parts) != 3 or parts[0] not in NAMESPACES:
-        raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (aten and prims only)")
+        raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (aten, prims and tilewise_vml only)")
     namespace, packet, overload = parts
     if not all(_IDENTIFIER.match(p) and not p.startswith("__") for p in (packet, overload)):
         raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (not an op name)")
