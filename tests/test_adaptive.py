@@ -457,3 +457,27 @@ def test_a_flush_that_fails_still_turns_the_collector_on_again(monkeypatch):
         assert gc.isenabled()
         assert torch.equal(y.cpu(), x.cpu() + 1)  # the work the failed flush left queued runs now
     assert gc.isenabled()
+
+
+def test_a_process_forked_while_a_segment_records_has_its_collector_on():
+    """A DataLoader worker forked with a segment recording runs no flush that would end the pause:
+    its collector must be on from the start, or its cyclic garbage is never freed (the device
+    synchronizes before a fork, and that flush ends the pause in both processes)."""
+    import gc
+    import os
+    x = torch.randn(8).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x + 1
+        assert not gc.isenabled()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave at once
+            os.write(write, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(write)
+        answer = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert torch.equal(y.cpu(), x.cpu() + 1)
+    assert answer == b"1"
+    assert gc.isenabled()
