@@ -26,6 +26,8 @@ import os
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .c_exprs import C_TYPES
+
 aten = torch.ops.aten
 
 # aten function -> MKL's name for it (vm{s,d}<Name>), as ATen's vml.h maps them
@@ -40,7 +42,13 @@ for _name in FUNCTIONS:
     _LIBRARY.define(f"{_name}(Tensor self) -> Tensor", tags=(torch.Tag.pointwise,))
     for _key in ("CPU", "Meta"):  # the aten op itself: CPU's values, and its metadata for tracing
         _LIBRARY.impl(_name, getattr(aten, _name).default, _key)
-OPS = {getattr(getattr(torch.ops, NAMESPACE), name).default: name for name in FUNCTIONS}
+
+
+def op(name: str):
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+OPS = {op(name): name for name in FUNCTIONS}
 
 
 def library_path() -> str:
@@ -58,12 +66,11 @@ def available() -> frozenset[str]:
         return frozenset()
     # on real tensors, whatever traces now (a torch.compile backend compiles under a fake mode)
     with _disable_current_modes():
-        return frozenset(name for name, mkl in FUNCTIONS.items()
-                         if all(_matches(library, name, mkl, dtype) for dtype in C_PREFIX))
+        return frozenset(name for name in FUNCTIONS if all(_matches(library, name, dtype) for dtype in C_PREFIX))
 
 
-def _matches(library, name: str, mkl: str, dtype: torch.dtype) -> bool:
-    function = getattr(library, f"{C_PREFIX[dtype]}{mkl}", None)
+def _matches(library, name: str, dtype: torch.dtype) -> bool:
+    function = getattr(library, c_function(name, dtype), None)
     if function is None:
         return False
     generator = torch.Generator().manual_seed(0)
@@ -99,10 +106,6 @@ def user_math(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def op(name: str):
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
-
-
 def c_function(name: str, dtype: torch.dtype) -> str:
     return f"{C_PREFIX[dtype]}{FUNCTIONS[name]}"
 
@@ -110,15 +113,14 @@ def c_function(name: str, dtype: torch.dtype) -> str:
 def declarations(sources: str) -> str:
     """C prototypes of the MKL functions these kernels call (MKL_INT is int in the LP64 interface
     PyTorch exports)."""
-    return "\n".join(f"extern void {c_function(name, dtype)}(int, const {ctype} *, {ctype} *, long long);"
-                     for name in FUNCTIONS for dtype, ctype in ((torch.float32, "float"), (torch.float64, "double"))
-                     if f"{c_function(name, dtype)}((int)" in sources)
+    return "\n".join(f"extern void {c_function(name, dtype)}(int, const {C_TYPES[dtype]} *, {C_TYPES[dtype]} *, long long);"
+                     for name in FUNCTIONS for dtype in C_PREFIX if f"{c_function(name, dtype)}((int)" in sources)
 
 
 def link_arguments(source: str) -> tuple:
     """Linker arguments for a library calling MKL's functions: PyTorch's own library, found again at
     load time where it is already loaded (its path in the library's run path)."""
-    if "extern void vm" not in source:
+    if not declarations(source):
         return ()
     directory = os.path.dirname(library_path())
     return ("-L" + directory, "-Wl,-rpath," + directory, "-ltorch_cpu")
