@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..device.spec import DeviceSpec
 from ..errors import TileLimitError
-from .sizes import size_max
+from .sizes import at_most, size_max
 from .tile_ir import Kernel, Launch, Ops
 
 
@@ -49,15 +49,15 @@ def _matmul_end(kernel: Kernel, op, last_use: dict, index: int) -> int:
 
 def fits(kernel: Kernel, spec: DeviceSpec) -> bool:
     sbuf, banks = live_bytes(kernel)
-    return sbuf <= spec.sbuf_partition_bytes and banks <= spec.psum_banks
+    return at_most(sbuf, spec.sbuf_partition_bytes) and banks <= spec.psum_banks
 
 
 def check_tile_limits(kernel: Kernel, spec: DeviceSpec) -> None:
     """Raise TileLimitError if any tile breaks a DeviceSpec limit; the message says expected vs got."""
     for op in kernel.body:
-        if op.shape and op.shape[0][1] > spec.partitions:
+        if op.shape and not at_most(op.shape[0][1], spec.partitions):
             _fail(kernel, op, f"partition dim <= {spec.partitions}", op.shape[0][1])
-        if op.space == "psum" and op.tile_bytes_per_partition() > spec.psum_bank_bytes:
+        if op.space == "psum" and not at_most(op.tile_bytes_per_partition(), spec.psum_bank_bytes):
             _fail(kernel, op, f"PSUM tile <= {spec.psum_bank_bytes} B per partition (one bank)",
                   op.tile_bytes_per_partition())
         if op.op is Ops.MATMUL:
@@ -71,7 +71,7 @@ def check_tile_limits(kernel: Kernel, spec: DeviceSpec) -> None:
 
 
 def _check(kernel, op, what: str, got: int, limit: int) -> None:
-    if got > limit:
+    if not at_most(got, limit):
         _fail(kernel, op, f"{what} <= {limit}", got)
 
 

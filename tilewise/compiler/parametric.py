@@ -72,9 +72,10 @@ class ParametricProgram:
     """One region's tile programs for every size its guards admit. Sizes are given per symbol of
     the region's trace (sympy Symbol -> int)."""
 
-    def __init__(self, fill, order: tuple, guards: list, exprs: list, hint: dict, launches: tuple, symbols: dict):
+    def __init__(self, fill, order: tuple, guards: list, exprs: dict, hint: dict, launches: tuple, symbols: dict):
         """`guards` and `exprs` are over `symbols` (each the lowering's symbol of a size of
-        `order`, the trace's symbols, in the same order)."""
+        `order`, the trace's symbols, in the same order); `exprs` maps each expression the fillers
+        read to its index."""
         self._fill, self.order, self.hint = fill, order, hint
         # Kernels without a symbolic size are shared as they are by every size (the fillers keep
         # them), and so is their cost: costed once per DeviceSpec. Held here by id (their ids stay
@@ -124,7 +125,7 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
         with _use_lazy_graph_module(True), recording_guards() as recorded:
             for _, pass_fn in passes:
                 region = pass_fn(region)
-        exprs: list = []
+        exprs: dict = {}
         program = (region.launches, opaque_calls(region), output_layouts(region.gm))
         # None: nothing in the program is symbolic (the trace pinned every size it was given, as
         # mm's inner dim against a static weight): one program for every size the guards admit
@@ -135,7 +136,8 @@ def lower_parametric(gm: torch.fx.GraphModule, hint: dict, passes, spec: DeviceS
               if getattr(env.replacements.get(new), "is_number", False)]
     if pinned:
         raise NotParametric(f"the passes decided on an exact size ({', '.join(pinned)})")
-    guards = [guard.expr for guard in env.guards] + recorded + [new >= 2 for new in fresh.values()]
+    # the same decision taken twice (two kernels alike) is one guard
+    guards = list(dict.fromkeys([guard.expr for guard in env.guards] + recorded + [new >= 2 for new in fresh.values()]))
     try:
         return ParametricProgram(fill, tuple(hint), guards, exprs, dict(hint), program[0], fresh)
     except Exception as error:  # an expression the Python printer does not know
@@ -192,13 +194,13 @@ def output_layouts(gm: torch.fx.GraphModule) -> tuple:
 
 # -- fillers: the program rebuilt at one size from its expressions' values ----------------------
 
-def _filler(value, exprs: list, memo: dict):
+def _filler(value, exprs: dict, memo: dict):
     """A function (values of `exprs`, memo of this size) -> `value` at that size, or None when
     `value` holds no symbolic size (it is shared as is by every size). Each symbolic value's
-    expression is appended to `exprs`; tile ops shared in `value` stay shared in every result."""
+    expression gets an index in `exprs` (one per expression: a transformer's program reads ~1,600
+    sizes, ~30 of them distinct); tile ops shared in `value` stay shared in every result."""
     if isinstance(value, SYMBOLIC):
-        exprs.append(value.node.expr)
-        index, cast = len(exprs) - 1, CONCRETE[type(value)]
+        index, cast = exprs.setdefault(value.node.expr, len(exprs)), CONCRETE[type(value)]
         return lambda computed, _: cast(computed[index])
     if isinstance(value, torch.Tensor):
         return _tensor_filler(value, exprs, memo)
@@ -221,7 +223,7 @@ def _filler(value, exprs: list, memo: dict):
     return None
 
 
-def _tensor_filler(value: torch.Tensor, exprs: list, memo: dict):
+def _tensor_filler(value: torch.Tensor, exprs: dict, memo: dict):
     shape, stride = _filler(tuple(value.shape), exprs, memo), _filler(tuple(value.stride()), exprs, memo)
     if shape is None and stride is None:
         return None
@@ -234,7 +236,7 @@ def _tensor_filler(value: torch.Tensor, exprs: list, memo: dict):
 _DATACLASSES = (TileOp, HbmRef, Kernel, Launch)
 
 
-def _dataclass_filler(value, exprs: list, memo: dict):
+def _dataclass_filler(value, exprs: dict, memo: dict):
     parts = {f.name: _filler(getattr(value, f.name), exprs, memo) for f in dataclasses.fields(value)}
     parts = {name: f for name, f in parts.items() if f}
     if not parts:

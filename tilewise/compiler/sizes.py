@@ -8,6 +8,7 @@ With plain ints both behave as the dict and frozenset they replace.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -98,6 +99,42 @@ def within(totals: list, limit: int) -> bool:
     return inside
 
 
+def same(a, b) -> bool:
+    """Whether two sizes, or two tuples of sizes, are equal. Inside a parametric lowering, sizes
+    whose expressions differ are different wherever the program serves, with a guard that says so:
+    two sizes that happen to be equal at the hints (a sequence length 8 and batch x heads 8) would
+    otherwise make ShapeEnv guard on their equality and pin the program to that one size. Outside
+    a lowering, `==`."""
+    guards = getattr(_lowering, "guards", None)
+    if guards is None or not has_symbols((a, b)):
+        return a == b
+    pairs = list(zip(a, b)) if isinstance(a, tuple) else [(a, b)]
+    if isinstance(a, tuple) and (not isinstance(b, tuple) or len(a) != len(b)):
+        return False
+    differing = []
+    for x, y in pairs:
+        ex, ey = (sympy.sympify(v.node.expr if isinstance(v, torch.SymInt) else v) for v in (x, y))
+        if ex == ey:
+            continue
+        if ex.is_number and ey.is_number:
+            return False  # two numbers that differ: different at every size
+        differing.append(sympy.Ne(ex, ey, evaluate=False))
+    if not differing:
+        return True
+    guards.append(differing[0] if len(differing) == 1 else sympy.Or(*differing, evaluate=False))
+    return False
+
+
+def at_most(size, limit: int) -> bool:
+    """Whether a size is at most `limit`: the independent checker's question on a tile or a
+    kernel's live bytes. Inside a parametric lowering a symbolic size is compared at the hints and
+    the answer recorded as a guard, as `within` does (ShapeEnv's attempt to prove it for every
+    size took a second of a transformer's lowering)."""
+    if not isinstance(size, torch.SymInt):
+        return size <= limit
+    return within([[size]], limit)
+
+
 def largest_total(totals: list):
     """The largest of the totals (lists of sizes to add): an int, or a SymInt whose expression is
     their Max, built as it stands (sympy.Max compares its arguments pairwise to simplify)."""
@@ -117,9 +154,13 @@ def _max(sums: list) -> tuple:
 
 
 def _sum(parts: list) -> tuple:
-    """(the sum as a sympy expression, as it stands; its value at the hints)."""
-    exprs = [size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size) for size in parts]
+    """(the sum as a sympy expression, its like terms collected and otherwise as it stands; its
+    value at the hints). A kernel's live tiles are many tiles of a few sizes: collected, a
+    transformer's guards print in a fraction of the text."""
+    counts = collections.Counter(size.node.expr for size in parts if isinstance(size, torch.SymInt))
+    constant = sum(size for size in parts if not isinstance(size, torch.SymInt))
+    terms = [expr if count == 1 else sympy.Mul(count, expr, evaluate=False) for expr, count in counts.items()]
+    if constant or not terms:
+        terms.append(sympy.Integer(constant))
     hint = sum(_hint(size) for size in parts)
-    if len(exprs) < 2:  # an empty sum is zero
-        return (exprs[0] if exprs else sympy.Integer(0)), hint
-    return sympy.Add(*exprs, evaluate=False), hint
+    return (terms[0] if len(terms) == 1 else sympy.Add(*terms, evaluate=False)), hint
