@@ -7,12 +7,15 @@ route exactly (every tile op, extent, HBM view, launch and cost); where they rej
 must decide differently (the guard was needed) and the region must make a new program."""
 import pytest
 import torch
+from torch._dynamo.source import LocalSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import tilewise
 from tilewise.compiler import cache as compiler_cache
 from tilewise.compiler import symbolic
 from tilewise.compiler.interpreter import interpret
 from tilewise.compiler.parametric import Made
+from tilewise.compiler.sizes import at_most, recording_guards, same
 from tilewise.compiler.symbolic import Dynamic, compile_generic, concrete
 from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Why
@@ -200,3 +203,39 @@ def test_passes_that_decide_on_an_exact_size_give_up_the_program_with_a_reason(m
         assert new and made.made is Made.PASSES and made.why == generic.not_parametric
         assert structure(made) == structure(generic.by_passes(generic.sizes(inputs)))
     assert (generic.specialisations, generic.evaluated) == (3, 0), generic
+
+
+def _size(hint: int) -> torch.SymInt:
+    """A symbolic size of a fresh ShapeEnv, hinted at `hint`, as a parametric lowering makes them."""
+    env = ShapeEnv(duck_shape=False)
+    symbol = env.create_symbol(hint, LocalSource("n"), dynamic_dim=DimDynamic.DYNAMIC)
+    return env.create_symintnode(symbol, hint=hint)
+
+
+def _holds(guard, size: torch.SymInt, value: int) -> bool:
+    return bool(guard.subs(size.node.expr, value))
+
+
+def test_sizes_equal_only_at_the_hint_are_different_where_the_program_serves():
+    """A layout compared with another that matches it only at the hint (a length 8 against
+    batch x heads 8) is a different layout, guarded so: an equality guard would pin the program
+    to that one size (a transformer's generic region made a second program at its next length)."""
+    n = _size(8)
+    with recording_guards() as guards:
+        assert not same((n, 4), (8, 4))
+        assert same((2 * n, 4), (2 * n, 4))  # one expression: equal at every size, nothing to guard
+        assert not same((n, 4), (n, 5))  # two numbers that differ: different at every size
+        assert not same((n, 2 * n), (8, 16))  # equal at the hint in both places: either may differ
+    assert len(guards) == 2, guards
+    assert not _holds(guards[0], n, 8) and _holds(guards[0], n, 9)
+    assert not _holds(guards[1], n, 8) and _holds(guards[1], n, 3)
+    assert same((3, 4), (3, 4)) and not same((3, 4), (4, 3))  # plain ints: ==
+
+
+def test_a_checked_limit_on_a_symbolic_size_is_taken_at_the_hint_and_guarded():
+    n = _size(8)
+    with recording_guards() as guards:
+        assert at_most(4 * n, 64) and not at_most(16 * n, 64)
+    assert [_holds(guard, n, 8) for guard in guards] == [True, True]
+    assert not _holds(guards[0], n, 17)  # 4 * 17 > 64: a size the program does not serve
+    assert at_most(64, 64) and not at_most(65, 64)

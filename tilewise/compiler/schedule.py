@@ -18,7 +18,7 @@ from ..reasons import Why
 from .ops import Reason
 from .order import contiguous_order
 from .region import Region
-from .sizes import frozen, largest_total, within
+from .sizes import frozen, largest_total, same, within
 from .tile_ir import HbmRef, Kernel, Launch, Ops
 
 
@@ -83,8 +83,9 @@ def _launch(kernels: list[Kernel], name: str, unit_of: dict, users: dict, spec: 
 def _reads_on_chip(kernel: Kernel, produced: HbmRef) -> bool:
     """Whether `kernel` reads the value only in the layout `produced` wrote it in, untransposed."""
     names = [name for name, ref in kernel.inputs.items() if ref.node == produced.node]
-    if not names or any(kernel.inputs[n].rows_cols != produced.rows_cols
-                        or kernel.inputs[n].view not in ((), produced.shape) for n in names):
+    if not names or any(not same(kernel.inputs[n].rows_cols, produced.rows_cols)
+                        or kernel.inputs[n].view != () and not same(kernel.inputs[n].view, produced.shape)
+                        for n in names):
         return False
     return not any(op.op is Ops.LOAD and op.arg[0] in names and op.arg[1] for op in kernel.body)
 

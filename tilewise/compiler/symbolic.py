@@ -139,7 +139,10 @@ class GenericRegion:
                 self.not_parametric = refusal.reason
             else:
                 self.programs.append(program)
-                return self._evaluated(program, values, Made.PASSES, started)
+                # sizes that differ in the program but coincide at its hint (compiler/sizes.py,
+                # `same`) exclude the hint itself: that one size is made by the passes
+                if program.admits(values):
+                    return self._evaluated(program, values, Made.PASSES, started)
         made = self.by_passes(values)
         why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
         return made._replace(seconds=time.perf_counter() - started, why=why)
