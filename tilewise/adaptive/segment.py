@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh
+from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh, wrap_view
 from ..eager.plan import PLANS, OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
@@ -177,6 +177,11 @@ class Segment:
                     descr.append(ext[1])
                 host.append(data)
             elif type(arg) is list or type(arg) is tuple:
+                if arg and type(arg[0]) is int and all([type(v) is int for v in arg]):
+                    # sizes and dims, the common list: described and passed as they are
+                    descr.append(tuple(arg))
+                    host.append(list(arg))
+                    continue
                 inner: list = []
                 host.append(self._host(arg, inner, node, producer_fps))
                 descr.append(tuple(inner))
@@ -222,7 +227,9 @@ class Segment:
             outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
             node.outs = tuple(outs)
             node.out_meta = [_metadata(o) for o in outs]
-            wrapped = [wrap(o, self.core) for o in outs]
+            # a view of a device tensor shares its counted storage; of anything else, wrap() counts it
+            wrapper = wrap_view if node.srcs or node.ext else wrap
+            wrapped = [wrapper(o, self.core) for o in outs]
             node.wrappers = tuple([_held(w) for w in wrapped])
             node.roots = (self._root_of(node),) * len(outs)  # every output aliases the same value
             return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]

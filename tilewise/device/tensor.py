@@ -153,6 +153,26 @@ def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int =
     return tensor
 
 
+def wrap_view(data: torch.Tensor, core: int = 0) -> NeuronTensor:
+    """wrap() for a view the lazy engine took of a device tensor's buffer on neuron:<core>: its
+    storage is that tensor's, counted already, and dense; only its offset and its conjugate and
+    negative bits (conj(), a view of a conjugate) can differ from a fresh buffer's. Every view the
+    engine records makes one."""
+    offset = data.storage_offset()
+    if offset:
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
+                               dtype=data.dtype, device=_CORES[core].device)
+    else:
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype,
+                               device=_CORES[core].device)
+    tensor._data = data
+    if core:
+        tensor._core = core
+    if data.is_conj() or data.is_neg():
+        _mirror_math_bits(tensor, data)
+    return tensor
+
+
 def _mirror_math_bits(tensor: NeuronTensor, data: torch.Tensor) -> None:
     # A lazy conjugate or negation (x.conj(), a view of one) is a bit on the host view; the device
     # tensor carries the same bit, so PyTorch resolves it where it would on CPU.
