@@ -7,8 +7,8 @@ Per row: total seconds; the longest step and the median step (ms); the step whos
 a compiled region; compile seconds on the steps' path (this process: the passes, or taking in the
 background's result) and in the compile process; the compiled fraction of compute ops.
 
-    python benchmarks/background_compile.py            # MLP 600 steps, TinyGPT 200 (~3 min here)
-    python benchmarks/background_compile.py --quick    # MLP 60, TinyGPT 20
+    python benchmarks/background_compile.py            # MLP 600 steps, TinyGPT 200, TinyGPT at random lengths 200
+    python benchmarks/background_compile.py --quick    # 60, 20, 20
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-WORKLOADS = {"mlp": (600, 60), "gpt": (200, 20)}  # steps: (full, quick)
+WORKLOADS = {"mlp": (600, 60), "gpt": (200, 20), "gptlen": (200, 20)}  # steps: (full, quick)
 SETTINGS = ("off", "on")
 
 CHILD = """
@@ -33,7 +33,8 @@ def on_step(i):
     if first[0] is None and tilewise.stats().ops_compiled:
         first[0] = i
 start = time.perf_counter()
-{"mlp": workloads.train_mlp, "gpt": workloads.train_gpt}[name]("neuron", "adaptive", steps=steps, on_step=on_step)
+{"mlp": workloads.train_mlp, "gpt": workloads.train_gpt,
+ "gptlen": workloads.train_gpt_at_lengths}[name]("neuron", "adaptive", steps=steps, on_step=on_step)
 total = time.perf_counter() - start
 s = tilewise.stats()
 print(json.dumps({"total": total, "longest": max(times), "median": sorted(times)[len(times) // 2],

@@ -16,9 +16,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
-from tilewise.compiler import background, cache, compile_graph, compile_in_background, disk, finish, worker
+from tilewise.errors import CompileError
+from tilewise.compiler import background, cache, compile_graph, compile_in_background, disk, finish, remote, symbolic, worker
 from tilewise.compiler.serialize import graph_to_json
-from tilewise.workloads import MLP, train_gpt
+from tilewise.workloads import MLP, random_lengths, train_gpt, train_seq
 
 TIMEOUT = 240  # seconds a compile process may take to start and compile on a loaded machine
 
@@ -119,6 +120,74 @@ def test_a_region_whose_compile_has_not_come_back_runs_eagerly_and_explain_says_
         tilewise.explain(jobs[0].name)
     expected, _ = _train_cpu(batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def _calls_here(monkeypatch, module, name: str) -> list:
+    """The calls of module.name made in this process (a compile process forked from it inherits
+    the patch: its calls are not counted)."""
+    calls, original, parent = [], getattr(module, name), os.getpid()
+
+    def counted(*args, **kwargs):
+        if os.getpid() == parent:
+            calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_sizes_that_change_compile_their_generic_region_in_the_compile_process(process, monkeypatch):
+    """The shape-generic compile (a symbolic trace and a parametric lowering: seconds for a
+    transformer's step) goes to the compile process like a static one: the region's ops run
+    eagerly until it is there, then each new length's tile programs are asked of it (eagerly
+    again until they come); values CPU's throughout."""
+    here = _calls_here(monkeypatch, symbolic, "compile_generic")
+    there = _calls_here(monkeypatch, remote, "compile_generic_remotely")
+    lengths = random_lengths(24, 4, 24, seed=2)
+
+    def on_step(step):
+        if step in (8, 16):  # the compile process has replied: the next flushes take it in
+            assert tilewise.wait_for_compiles(timeout=TIMEOUT)
+
+    losses, params = train_seq("neuron", "adaptive", steps=24, lengths=lengths, on_step=on_step)
+    stats = tilewise.stats()
+    assert there and not here, stats.report()
+    assert stats.compiling_ops > 0 and stats.evaluated_sizes + stats.specialisations >= 3, stats.report()
+    assert stats.ops_compiled > 0 and "compiled in the compile process" in tilewise.explain(there[0][4])
+    want_losses, want_params = train_seq("cpu", steps=24, lengths=lengths)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, want_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compile_process_that_dies_holding_a_generic_region_leaves_the_site_to_compile_here(process, monkeypatch):
+    here = _calls_here(monkeypatch, symbolic, "compile_generic")
+    lengths = random_lengths(20, 4, 24, seed=2)
+
+    def on_step(step):
+        if step == 8:
+            assert tilewise.wait_for_compiles(timeout=TIMEOUT) and not here
+            process._child.kill()  # the generic region it compiled is gone with it
+            process._child.wait(None)
+
+    with pytest.warns(RuntimeWarning, match="background compile process failed"):
+        losses, params = train_seq("neuron", "adaptive", steps=20, lengths=lengths, on_step=on_step)
+    stats = tilewise.stats()
+    assert process.broken and here and stats.ops_compiled > 0, stats.report()
+    want_losses, want_params = train_seq("cpu", steps=20, lengths=lengths)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, want_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_guards_from_the_compile_process_are_only_comparisons_of_sizes():
+    text = "L['t0'].size()[1] == 8 and L['t0'].stride()[0] == 8 and 2 <= L['t0'].size()[0] and " \
+           "L['t1'].storage_offset() == 0 and (L['t0'].size()[0] * 4) // 2 != 64"
+    assert remote.checked_guards(text) == text
+    for hostile in ("__import__('os').system('true')", "L['t0'].size.__globals__", "open('x') == 1",
+                    "L['t0'].size()[0] == (lambda: 1)()", "[x for x in L]"):
+        with pytest.raises(CompileError, match="guards"):
+            remote.checked_guards(hostile)
 
 
 def _region():

@@ -136,6 +136,19 @@ def train_gpt(device="cpu", mode=None, steps=20, seed=0, on_step=None):
     return _train(model, opt, data, device, mode, on_step, _next_token_loss)
 
 
+def train_gpt_at_lengths(device="cpu", mode=None, steps=20, seed=0, low=4, high=16, on_step=None):
+    """TinyGPT at a new sequence length (uniform in low..high) most steps: a transformer whose
+    sizes change, as batches of text of unequal lengths make it."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    lengths = random_lengths(steps, low, high, seed)
+    data = [(x[:, :n].contiguous(), y[:, :n].contiguous()) for (x, y), n in zip(text_batches(steps, length=high), lengths)]
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(seed + 1)
+    return _train(model, opt, data, device, mode, on_step, _next_token_loss)
+
+
 def _next_token_loss(model, x, y):
     logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

@@ -14,7 +14,7 @@ from ..config import config
 from ..device.runtime import DEVICE
 from . import events, regions, shapes
 from .compiling import compile_failure
-from .policy import Mode, Reason, Verdict, Why, on_other_sizes
+from .policy import Mode, Reason, Verdict, Why, compiles_in_background, on_other_sizes
 from .regions import CompiledEntry, Region, Sized, alias_signature, build_graph, key_with
 from .segment import Segment
 
@@ -32,6 +32,7 @@ class Site:
     compiles: int = 0                    # all compiles at the site, static and generic
     label: str = ""                      # the name of its first compile: the site in stats()
     sightings: int = 0                   # flushes that met it with other sizes and no generic region for them
+    compiling: object = None             # compiler.remote.GenericJob: its generic region compiling in the background
 
 
 class GenericSites:
@@ -80,6 +81,9 @@ class GenericSites:
     def _other_sizes(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes, settling: bool):
         """A signature at a site that differs from its first in sizes or int arguments: served by
         the site's generic region if its guards admit it, else generalise (policy permitting)."""
+        if site.compiling is not None and not self._taken_in(site, region):
+            self.stats.compiling_ops += len(region.nodes)
+            return None
         if site.generic is not None:
             arguments = _admitted(segment, region, site, changes)
             if arguments is not None:
@@ -120,7 +124,8 @@ class GenericSites:
         return None if arguments is None else self._sized(segment, region, site, arguments)
 
     def _generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
-        from ..compiler.symbolic import compile_generic  # the compiler layer sits below
+        from ..compiler.remote import compile_generic_remotely  # the compiler layer sits below
+        from ..compiler.symbolic import compile_generic
 
         name = f"region{len(self.stats.regions) + 1}"
         site.generalisations += 1
@@ -129,6 +134,13 @@ class GenericSites:
             gm = build_graph(segment, region, changes.ints)
             arguments = regions.arguments(segment, region, changes.ints)
             dynamic = changes.dynamic(len(region.arguments(segment)))
+            if compiles_in_background(segment.settings):
+                site.compiling = compile_generic_remotely(gm, arguments, dynamic, DEVICE.spec, name,
+                                                          config.specialisation_limit, changes)
+                if site.compiling is not None:  # its ops run eagerly until the compile process replies
+                    self.stats.background_compiles += 1
+                    self.stats.compiling_ops += len(region.nodes)
+                    return None
             generic = self.in_compiler_thread(compile_generic, gm, arguments, dynamic, DEVICE.spec, name,
                                               config.specialisation_limit)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
@@ -143,14 +155,51 @@ class GenericSites:
                                                   len(entry.compiled.cost) if entry else 0, []))
         return entry
 
+    def _taken_in(self, site: Site, region: Region) -> bool:
+        """Whether the site's generic compile in the compile process is over: its generic region
+        taken in (or the compile given up: the region runs eagerly, or, when the process died,
+        the site generalises in this process at its next flush)."""
+        from ..compiler.remote import CompileProcessLost  # the compiler layer sits below
+
+        pending, job = site.compiling, site.compiling.job
+        if not job.done():
+            return False
+        site.compiling = None
+        started = time.perf_counter()
+        try:
+            generic = pending.adopt(DEVICE.spec, config.specialisation_limit)
+        except CompileProcessLost:
+            site.generalisations -= 1  # it never compiled
+            return True
+        except Exception as error:  # a compiler failure degrades to eager, with the reason kept
+            self._give_up(region, compile_failure(error))
+            return True
+        seconds = time.perf_counter() - started
+        DEVICE.timeline.host("compile process", pending.name, job.submitted, job.finished - job.submitted,
+                             ops=len(region.nodes), seconds_compiling=job.seconds)
+        site.generic, site.changes = generic, pending.changes
+        self._count_compile(site, pending.name)
+        self.stats.specialisations += 1  # the example's size, made by the compile
+        self.events.publish(events.RegionCompiled(pending.name, self.stats.segments, len(region.nodes), started,
+                                                  seconds, 0, [], background_seconds=job.seconds))
+        return True
+
     def _sized(self, segment: Segment, region: Region, site: Site, arguments: list):
         """The entry serving this size of the site's generic region: its tile programs made now or
-        kept, its outputs' layouts checked against those the segment recorded."""
+        kept, its outputs' layouts checked against those the segment recorded; None while the
+        compile process makes them (a generic region compiled there)."""
         from ..compiler.parametric import Made  # the compiler layer sits below
+        from ..compiler.remote import CompileProcessLost
         try:
             made, new = site.generic.specialise(arguments)
+        except CompileProcessLost:  # it held the generic region: the site generalises here next
+            site.generic = None
+            return None
         except Exception as error:  # this size's tile programs do not lower: it runs eagerly
             return self._give_up(region, compile_failure(error))
+        if made is None:
+            self.stats.compiling_ops += len(region.nodes)
+            return None
         if new and made.made is Made.EVALUATED:
             self.stats.evaluated_sizes += 1
             self.stats.evaluate_seconds += made.seconds

@@ -86,10 +86,26 @@ class CompileProcess:
         unusable, or the graph has an op the wire does not carry)."""
         if not carries(gm):
             return None
+        return self._send({"kind": "region", "key": key, "name": name, "spec": dataclasses.asdict(spec),
+                           "graph": graph_to_json(gm)}, example_inputs)
+
+    def submit_generic(self, key: str, gm: torch.fx.GraphModule, example_inputs, dynamic, spec, name: str,
+                       limit: int) -> Job | None:
+        """Queue a shape-generic compile (symbolic.compile_generic), kept in the process by `key`."""
+        if not carries(gm):
+            return None
+        return self._send({"kind": "generic", "key": key, "name": name, "spec": dataclasses.asdict(spec),
+                           "graph": graph_to_json(gm), "dims": [sorted(dims) for dims in dynamic.dims],
+                           "limit": limit}, example_inputs)
+
+    def submit_size(self, key: str, inputs, name: str) -> Job | None:
+        """Queue the tile programs of one size of the generic region kept by `key`."""
+        return self._send({"kind": "size", "key": key, "name": name}, inputs)
+
+    def _send(self, request: dict, inputs) -> Job | None:
         storages: dict = {}
-        request = {"key": key, "name": name, "spec": dataclasses.asdict(spec), "graph": graph_to_json(gm),
-                   "inputs": [layout_of(value, storages) for value in example_inputs]}
-        job = Job(key, name)
+        request["inputs"] = [layout_of(value, storages) for value in inputs]
+        job = Job(request["key"], request["name"])
         with self._lock:
             if self._child is None and self.broken is None:
                 self._spawn()
@@ -262,6 +278,14 @@ def carries(gm: torch.fx.GraphModule) -> bool:
     return all(node.op != "call_function" or node.target is operator.getitem
                or isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in NAMESPACES
                for node in gm.graph.nodes)
+
+
+_KEYS = itertools.count()
+
+
+def next_key() -> int:
+    """A number no other generic region of this process is kept by in the compile process."""
+    return next(_KEYS)
 
 
 PROCESS = CompileProcess()

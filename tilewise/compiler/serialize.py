@@ -232,7 +232,7 @@ def kernel_to_json(kernel: Kernel) -> dict:
             "opaque_target": kernel.opaque_target}
 
 
-def kernel_from_json(data: dict, renamed: dict[str, str]) -> Kernel:
+def kernel_from_json(data: dict, renamed: dict[str, str] | None) -> Kernel:
     """A stored tile kernel, its node names mapped to the rebuilt graph's (`renamed`). Tile
     programs are data the interpreter walks; nothing of them becomes source code."""
     body: list[TileOp] = []
@@ -245,13 +245,17 @@ def kernel_from_json(data: dict, renamed: dict[str, str]) -> Kernel:
                   sbuf_bytes_per_partition=data["sbuf"], opaque_target=data["opaque_target"])
 
 
-def _renamed(name, renamed: dict[str, str]) -> str:
+def _renamed(name, renamed: dict[str, str] | None) -> str:
+    """The rebuilt graph's name for a stored node name; None: names kept as they are (the tile
+    programs of a shape-generic region, whose graph stays in the compile process)."""
+    if renamed is None and isinstance(name, str):
+        return name
     if not isinstance(name, str) or name not in renamed:
         raise CompileError(f"a compile cache entry's kernels name {name!r}, which is not in its graph")
     return renamed[name]
 
 
-def _hbm_ref(fields, renamed: dict[str, str]) -> HbmRef:
+def _hbm_ref(fields, renamed: dict[str, str] | None) -> HbmRef:
     if not isinstance(fields, tuple) or not fields:
         raise CompileError("malformed HBM reference in a compile cache entry")
     return HbmRef(_renamed(fields[0], renamed), *fields[1:])
@@ -263,7 +267,7 @@ def launch_to_json(launch: Launch) -> dict:
             "resident_bytes": launch.resident_bytes_per_partition}
 
 
-def launch_from_json(data: dict, renamed: dict[str, str]) -> Launch:
+def launch_from_json(data: dict, renamed: dict[str, str] | None) -> Launch:
     resident = frozenset((_renamed(node, renamed), layout) for node, layout in decode(data["resident"]))
     return Launch(name=data["name"], kernels=tuple(kernel_from_json(k, renamed) for k in data["kernels"]),
                   resident=resident, stored=frozenset(_renamed(n, renamed) for n in data["stored"]),

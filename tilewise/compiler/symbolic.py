@@ -79,7 +79,7 @@ class GenericRegion:
         self.source = source  # the recorded ops, as the host runs them: any size the guards admit
         self._symbols = symbols  # (input index, dim or None for an int input, sympy Symbol)
         self.compile_seconds = compile_seconds
-        self._guard_text = guards or "none"
+        self.guard_text = guards  # ShapeEnv's Python text of the guards, or None: any size
         # the guard expression compiled once (evaluated at every new signature), or None: any size
         self._guards = compile(guards, f"<{name} guards>", "eval") if guards else None
         self._limit = limit
@@ -166,7 +166,7 @@ class GenericRegion:
     def describe(self, made: Specialisation) -> str:
         """The symbolic graph, its guards, and one size's launches with their cost (`explain`)."""
         lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
-                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self._guard_text}"]
+                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self.guard_text or 'none'}"]
         lines += format_graph(self.gm.graph)
         lines += [f"# parametric tile program {i}: {program!r}" for i, program in enumerate(self.programs)]
         if self.not_parametric is not None:

@@ -3,12 +3,16 @@
 It runs the passes for its parent, so the parent's steps go on while a region compiles (on the
 other core, with a GIL of its own: a compile thread in the parent slowed its steps 10-50x). The
 wire is data only, both ways, one request at a time:
-- a request is one line of JSON: the region's graph in the disk cache's form (serialize.py, so it
-  is the graph the parent keyed, not a re-trace of it), its inputs' layouts, the DeviceSpec's fields,
-  the cache key and the region's name;
-- a reply is one line of JSON (`id`, `error`, `bytes`) followed by `bytes` bytes: the disk cache
-  entry of the compiled region (cache.entry_payload), which the parent decodes as it would a file
-  of its cache.
+- a request is one line of JSON: its `kind`, the region's graph in the disk cache's form
+  (serialize.py, so it is the graph the parent keyed, not a re-trace of it), its inputs' layouts,
+  the DeviceSpec's fields, a key and the region's name. `region` compiles a static region;
+  `generic` compiles a shape-generic one (symbolic.py; with the symbolic dims and the
+  specialisation limit) and keeps it here by its key; `size` asks a kept one for one size's tile
+  programs (no graph);
+- a reply is one line of JSON (`id`, `error`, `bytes`) followed by `bytes` bytes: for `region`,
+  the disk cache entry of the compiled region (cache.entry_payload), which the parent decodes as it
+  would a file of its cache; for `generic` and `size`, JSON of the guards and tile programs
+  (remote.py), which the parent checks before it uses them.
 The process ends when its parent closes the request pipe (or dies).
 """
 from __future__ import annotations
@@ -61,6 +65,42 @@ def compile_request(request: dict) -> bytes:
     return entry_payload(request["key"], compiled)
 
 
+# The shape-generic regions compiled here, by the key their parent asked with: each new size's tile
+# programs are made from the one kept (remote.py).
+GENERICS: dict = {}
+
+
+def generic_request(request: dict) -> bytes:
+    """Compile a shape-generic region and keep it; reply with its guards and the example size's
+    tile programs."""
+    from ..device.spec import DeviceSpec
+    from .remote import made_to_json
+    from .serialize import graph_from_json
+    from .symbolic import Dynamic, compile_generic
+
+    gm, _ = graph_from_json(request["graph"])
+    bases: dict = {}
+    inputs = [input_from(layout, bases) for layout in request["inputs"]]
+    dynamic = Dynamic(tuple(frozenset(dims) for dims in request["dims"]))
+    generic = compile_generic(gm, inputs, dynamic, DeviceSpec(**request["spec"]), request["name"], request["limit"])
+    GENERICS[request["key"]] = generic
+    made, _ = generic.specialise(inputs)
+    return json.dumps({"guards": generic.guard_text, "compile_seconds": generic.compile_seconds,
+                       "made": made_to_json(made)}).encode()
+
+
+def size_request(request: dict) -> bytes:
+    """One size's tile programs of a generic region kept here."""
+    from .remote import made_to_json
+
+    bases: dict = {}
+    made, _ = GENERICS[request["key"]].specialise([input_from(layout, bases) for layout in request["inputs"]])
+    return json.dumps(made_to_json(made)).encode()
+
+
+HANDLERS = {"region": compile_request, "generic": generic_request, "size": size_request}
+
+
 def _warm_up() -> None:
     """Import what the first compile needs (make_fx brings torch._dynamo: seconds) before it comes."""
     for module in ("tilewise.compiler.driver", "torch._dynamo"):
@@ -73,7 +113,7 @@ def serve(requests, replies) -> None:
         request = json.loads(line)
         started = time.perf_counter()
         try:
-            payload, error = compile_request(request), None
+            payload, error = HANDLERS[request.get("kind", "region")](request), None
         except Exception as failure:  # the parent gives the region up with this reason
             payload, error = b"", f"{type(failure).__name__}: {failure}"
         header = {"id": request["id"], "error": error, "bytes": len(payload),
