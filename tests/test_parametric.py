@@ -226,6 +226,8 @@ def test_sizes_equal_only_at_the_hint_are_different_where_the_program_serves():
         assert same((2 * n, 4), (2 * n, 4))  # one expression: equal at every size, nothing to guard
         assert not same((n, 4), (n, 5))  # two numbers that differ: different at every size
         assert not same((n, 2 * n), (8, 16))  # equal at the hint in both places: either may differ
+        # two expressions of one size, equal at every size: ShapeEnv's `==` decides, as outside
+        assert same((n * n) // n, n) and same(((n * n) // n, 4), (n, 4))
     assert len(guards) == 2, guards
     assert not _holds(guards[0], n, 8) and _holds(guards[0], n, 9)
     assert not _holds(guards[1], n, 8) and _holds(guards[1], n, 3)

@@ -15,6 +15,7 @@ from ..reasons import Why
 from .ops import (ARANGES, BROADCAST_IN_DIM, EMBEDDING, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
                   opaque_reason, reduced_dims, shape, strip, tensor_inputs)
 from .region import Group, Region
+from .sizes import same
 
 FUSABLE = ("elementwise", "reduction", "matmul")
 NOT_INLINED = frozenset({*SCATTERS, *ARANGES, EMBEDDING})
@@ -110,9 +111,10 @@ def _position(node) -> int:
 
 
 def _joint_domain(a: tuple[int, int], b: tuple[int, int]):
-    if a[0] != b[0]:
+    # `same`: a domain that matches another only at the size lowered at is another domain
+    if not same(a[0], b[0]):
         return None
-    if a[1] == b[1] or b[1] == 1:
+    if same(a[1], b[1]) or b[1] == 1:
         return a
     return b if a[1] == 1 else None
 

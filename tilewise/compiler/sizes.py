@@ -101,27 +101,48 @@ def within(totals: list, limit: int) -> bool:
 
 def same(a, b) -> bool:
     """Whether two sizes, or two tuples of sizes, are equal. Inside a parametric lowering, sizes
-    whose expressions differ are different wherever the program serves, with a guard that says so:
-    two sizes that happen to be equal at the hints (a sequence length 8 and batch x heads 8) would
-    otherwise make ShapeEnv guard on their equality and pin the program to that one size. Outside
-    a lowering, `==`."""
+    that differ at the hints or at other sizes are different wherever the program serves, with a
+    guard that says so: two sizes that happen to be equal at the hints (a sequence length 8 and
+    batch x heads 8) would otherwise make ShapeEnv guard on their equality and pin the program to
+    that one size. Sizes equal at every size tried are left to ShapeEnv's `==`, as outside a
+    lowering."""
     guards = getattr(_lowering, "guards", None)
     if guards is None or not has_symbols((a, b)):
         return a == b
-    pairs = list(zip(a, b)) if isinstance(a, tuple) else [(a, b)]
-    if isinstance(a, tuple) and (not isinstance(b, tuple) or len(a) != len(b)):
+    if isinstance(a, tuple) != isinstance(b, tuple) or isinstance(a, tuple) and len(a) != len(b):
         return False
-    differing = []
+    pairs = list(zip(a, b)) if isinstance(a, tuple) else [(a, b)]
+    differing, alike = [], []
     for x, y in pairs:
-        ex, ey = (sympy.sympify(v.node.expr if isinstance(v, torch.SymInt) else v) for v in (x, y))
+        ex, ey = _expr(x), _expr(y)
         if ex == ey:
             continue
         if ex.is_number and ey.is_number:
             return False  # two numbers that differ: different at every size
-        differing.append(sympy.Ne(ex, ey, evaluate=False))
-    if not differing:
-        return True
-    guards.append(differing[0] if len(differing) == 1 else sympy.Or(*differing, evaluate=False))
+        (differing if _differ_somewhere(ex, ey, x, y) else alike).append((x, y))
+    if differing:
+        ne = [sympy.Ne(_expr(x), _expr(y), evaluate=False) for x, y in differing]
+        guards.append(ne[0] if len(ne) == 1 else sympy.Or(*ne, evaluate=False))
+        return False
+    return all(x == y for x, y in alike)
+
+
+def _expr(size):
+    return sympy.sympify(size.node.expr if isinstance(size, torch.SymInt) else size)
+
+
+def _differ_somewhere(ex, ey, x, y) -> bool:
+    """Whether two size expressions differ at the hints or at one of a few other sizes."""
+    hints = {}
+    for size in (x, y):
+        if isinstance(size, torch.SymInt):
+            env = size.node.shape_env
+            hints.update({symbol: env.backed_var_to_val[symbol] for symbol in size.node.expr.free_symbols
+                          if symbol in env.backed_var_to_val})
+    for shift in (lambda h: h, lambda h: h + 1, lambda h: h + 3, lambda h: 2 * h + 5):
+        at = {symbol: shift(int(hint)) for symbol, hint in hints.items()}
+        if ex.xreplace(at) != ey.xreplace(at):
+            return True
     return False
 
 

@@ -85,6 +85,7 @@ class GenericRegion:
         self._limit = limit
         self._sizes: collections.OrderedDict = collections.OrderedDict()  # size key -> Specialisation
         self.programs: list[ParametricProgram] = []
+        self.lowerings = 0  # parametric lowerings tried (a program that serves no size it was lowered at is not kept)
         self.not_parametric: Reason | None = None  # why the passes could not run symbolically
         self.specialisations = 0  # made by the passes so far (evicted ones included)
         self.evaluated = 0  # sizes served by evaluating a parametric program
@@ -132,17 +133,21 @@ class GenericRegion:
         return made, True
 
     def _made_by_passes(self, values: dict, started: float) -> Specialisation:
-        if self.not_parametric is None and len(self.programs) < min(PROGRAM_LIMIT, self._limit):
+        if self.not_parametric is None and self.lowerings < min(PROGRAM_LIMIT, self._limit):
+            self.lowerings += 1
             try:
                 program = lower_parametric(self.gm, values, PARAMETRIC_PASSES, self.spec, self.name)
             except NotParametric as refusal:
                 self.not_parametric = refusal.reason
             else:
-                self.programs.append(program)
                 # sizes that differ in the program but coincide at its hint (compiler/sizes.py,
-                # `same`) exclude the hint itself: that one size is made by the passes
+                # `same`) exclude the hint itself: that one size is made by the passes, and a
+                # program lowered for it alone (the sizes that coincide) is not kept
                 if program.admits(values):
+                    self.programs.append(program)
                     return self._evaluated(program, values, Made.PASSES, started)
+                if not self.programs:
+                    self.programs.append(program)
         made = self.by_passes(values)
         why = self.not_parametric or Reason(Why.NOT_PARAMETRIC, f"the guards of its {len(self.programs)} programs reject the size")
         return made._replace(seconds=time.perf_counter() - started, why=why)
