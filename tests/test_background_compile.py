@@ -145,13 +145,19 @@ def test_sizes_that_change_compile_their_generic_region_in_the_compile_process(p
     there = _calls_here(monkeypatch, remote, "compile_generic_remotely")
     lengths = random_lengths(24, 4, 24, seed=2)
 
+    asked_early = []  # steps that asked explain() about the generic region before its compile came back
+
     def on_step(step):
+        if there and step < 8:
+            asked_early.append(step)
+            with pytest.raises(tilewise.ConfigError, match="compiling in the background"):
+                tilewise.explain(there[0][4])
         if step in (8, 16):  # the compile process has replied: the next flushes take it in
             assert tilewise.wait_for_compiles(timeout=TIMEOUT)
 
     losses, params = train_seq("neuron", "adaptive", steps=24, lengths=lengths, on_step=on_step)
     stats = tilewise.stats()
-    assert there and not here, stats.report()
+    assert there and not here and asked_early, stats.report()
     assert stats.compiling_ops > 0 and stats.evaluated_sizes + stats.specialisations >= 3, stats.report()
     assert stats.ops_compiled > 0 and "compiled in the compile process" in tilewise.explain(there[0][4])
     want_losses, want_params = train_seq("cpu", steps=24, lengths=lengths)

@@ -91,7 +91,8 @@ def explain(region: str | None = None, passes: bool = False) -> str:
         chosen = [e for e in entries if e.name == region]
         if not chosen:
             names = ", ".join(e.name for e in entries) or "none"
-            compiling = sum(1 for e in list(RUNTIME.regions.values()) if isinstance(e, Compiling))
+            compiling = sum(1 for e in list(RUNTIME.regions.values()) if isinstance(e, Compiling)) + \
+                sum(1 for site in list(RUNTIME.generic_sites.values()) if site.compiling is not None)
             also = f" ({compiling} compiling in the background: tilewise.wait_for_compiles())" if compiling else ""
             raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}{also}")
         entries = chosen
