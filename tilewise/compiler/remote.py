@@ -34,8 +34,12 @@ class CompileProcessLost(CompileError):
     """The compile process that holds a generic region is gone: the site compiles here again."""
 
 
-def made_to_json(made: Specialisation) -> dict:
-    return {"launches": [launch_to_json(launch) for launch in made.launches], "cost": list(made.cost),
+def made_to_json(made: Specialisation, launches: bool = True) -> dict:
+    """A size's tile programs as JSON; `launches=False`: only what the cost model charges and the
+    output layouts (a new size's reply: the launches of a step region are ~1 MB of JSON, 15-20 ms
+    each way, and only explain() prints them)."""
+    return {"launches": [launch_to_json(launch) for launch in made.launches] if launches else [],
+            "cost": list(made.cost),
             "outputs": [[list(shape), list(stride), str(dtype)[6:]] for shape, stride, dtype in made.outputs],
             "seconds": made.seconds, "made": made.made.value,
             "why": None if made.why is None else [made.why.why.value, made.why.detail]}
@@ -91,6 +95,13 @@ def _allowed(node) -> bool:
     return True
 
 
+# How long a flush waits for a new size's tile programs before it runs the region's ops eagerly: a
+# size a parametric program serves comes back in a few milliseconds (evaluated, not lowered), so a
+# loop whose length is new most steps still runs compiled; a size the passes must make (a second
+# parametric program, 1-3 s) does not hold the step up.
+SIZE_WAIT_SECONDS = 0.05
+
+
 class RemoteGeneric(GenericRegion):
     """A generic region whose symbolic graph and tile programs live in the compile process: served
     here by its guards and its recorded ops, each size's tile programs asked of the process."""
@@ -116,6 +127,7 @@ class RemoteGeneric(GenericRegion):
             if job is None:
                 raise CompileProcessLost(f"{self.name}: the compile process is gone")
             self._asked[key] = job
+            job.wait(SIZE_WAIT_SECONDS)
         if not job.done():
             return None, False
         del self._asked[key]
@@ -141,6 +153,8 @@ class RemoteGeneric(GenericRegion):
         lines = [f"# {self.name}: shape-generic, compiled in the compile process (symbolic dims per input: "
                  f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self.guard_text or 'none'}",
                  "", f"# at this size ({made.made.value}):"] + ["  " + str(launch) for launch in made.launches]
+        if not made.launches:
+            lines.append("  # its tile programs stay in the compile process (the size it compiled at shows them)")
         lines += [f"  # cost of launch {c.name}: {c.engine} {c.seconds * 1e6:.2f} us, {c.hbm_bytes} HBM bytes"
                   for c in made.cost]
         return "\n".join(lines)

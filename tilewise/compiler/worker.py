@@ -95,7 +95,7 @@ def size_request(request: dict) -> bytes:
 
     bases: dict = {}
     made, _ = GENERICS[request["key"]].specialise([input_from(layout, bases) for layout in request["inputs"]])
-    return json.dumps(made_to_json(made)).encode()
+    return json.dumps(made_to_json(made, launches=False)).encode()
 
 
 HANDLERS = {"region": compile_request, "generic": generic_request, "size": size_request}
