@@ -126,18 +126,7 @@ def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     if data.is_quantized:
         raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
                           "neuron; use .dequantize() first")
-    offset = data.storage_offset()
-    if offset:
-        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
-                               dtype=data.dtype, device=owner.device)
-    else:  # every fresh buffer: one keyword fewer for PyTorch's argument parser
-        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype, device=owner.device)
-    tensor._data = data
-    if core:
-        tensor._core = core
-    if data.is_conj() or data.is_neg():
-        _mirror_math_bits(tensor, data)
-    return tensor
+    return wrap_view(data, core)
 
 
 def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int = 0) -> NeuronTensor:
@@ -154,15 +143,15 @@ def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int =
 
 
 def wrap_view(data: torch.Tensor, core: int = 0) -> NeuronTensor:
-    """wrap() for a view the lazy engine took of a device tensor's buffer on neuron:<core>: its
-    storage is that tensor's, counted already, and dense; only its offset and its conjugate and
-    negative bits (conj(), a view of a conjugate) can differ from a fresh buffer's. Every view the
-    engine records makes one."""
+    """wrap() for a buffer whose storage is counted already and dense: a view the lazy engine took
+    of a device tensor's buffer (every recorded view makes one), or what wrap() has checked and
+    counted. Only its offset and its conjugate and negative bits (conj(), a view of a conjugate)
+    can differ from a fresh buffer's."""
     offset = data.storage_offset()
     if offset:
         tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
                                dtype=data.dtype, device=_CORES[core].device)
-    else:
+    else:  # every fresh buffer: one keyword fewer for PyTorch's argument parser
         tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype,
                                device=_CORES[core].device)
     tensor._data = data
