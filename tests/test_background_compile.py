@@ -252,7 +252,7 @@ def test_a_graph_of_other_than_aten_ops_compiles_here(process):
 
 def test_the_worker_replies_with_the_error_and_goes_on_to_the_next_request():
     fn, gm, inputs = _region()
-    good = {"id": 7, "key": "k", "name": "region1", "graph": graph_to_json(gm),
+    good = {"id": 7, "kind": "region", "key": "k", "name": "region1", "graph": graph_to_json(gm),
             "spec": dataclasses.asdict(tilewise.DEVICE.spec),
             "inputs": [worker.layout_of(t, {}) for t in inputs]}
     bad = dict(good, id=6, inputs=good["inputs"][:1])  # one input short

@@ -210,7 +210,7 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule) 
             raise CompileError("entry for another key or compiler version")
         gm, renamed = graph_from_json(entry["graph"])
         launches = [launch_from_json(launch, renamed) for launch in entry["launches"]]
-        return CompiledRegion(_text(entry["name"]), gm, launches, [_cost(c) for c in entry["cost"]],
+        return CompiledRegion(_text(entry["name"]), gm, launches, [cost_from_json(c) for c in entry["cost"]],
                               [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
                               float(entry["compile_seconds"]), spec, source=source_graph(source))
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
@@ -223,7 +223,7 @@ def _text(value) -> str:
     return value
 
 
-def _cost(value) -> LaunchCost:
+def cost_from_json(value) -> LaunchCost:
     """A LaunchCost from its JSON list (name, engine, seconds, hbm bytes, flops)."""
     name, engine, seconds, hbm_bytes, flops = value
     if not all(type(v) in (int, float) for v in (seconds, hbm_bytes, flops)):

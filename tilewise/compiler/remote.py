@@ -10,7 +10,9 @@ asked of the compile process once per size, and the region's ops run eagerly unt
 What crosses is data, as for static regions (worker.py): the graph and the input layouts go
 there; the guards come back as ShapeEnv's Python text, which is parsed and checked to be nothing
 but comparisons and arithmetic on the inputs' sizes, strides and offsets before it is compiled
-here; a size's tile programs come back as the disk cache's JSON of launches and costs.
+here; the tile programs of the size it compiled at come back as the disk cache's JSON of launches
+and costs, each later size's as its launches' costs and output layouts only (what the cost model
+charges; its launches stay there).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from ..errors import CompileError
 from ..reasons import Reason, Why
 from . import background
-from .cache import _cost
+from .cache import cost_from_json
 from .driver import source_graph
 from .parametric import Made
 from .serialize import launch_from_json, launch_to_json
@@ -48,7 +50,7 @@ def made_to_json(made: Specialisation, launches: bool = True) -> dict:
 def made_from_json(data: dict) -> Specialisation:
     why = data["why"]
     return Specialisation(
-        tuple(launch_from_json(launch, None) for launch in data["launches"]), tuple(_cost(c) for c in data["cost"]),
+        tuple(launch_from_json(launch, None) for launch in data["launches"]), tuple(cost_from_json(c) for c in data["cost"]),
         tuple((tuple(shape), tuple(stride), _dtype(dtype)) for shape, stride, dtype in data["outputs"]),
         float(data["seconds"]), Made(data["made"]), None if why is None else Reason(Why(why[0]), str(why[1])))
 

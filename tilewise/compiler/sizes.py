@@ -119,9 +119,12 @@ def same(a, b) -> bool:
             continue
         if ex.is_number and ey.is_number:
             return False  # two numbers that differ: different at every size
-        (differing if _differ_somewhere(ex, ey, x, y) else alike).append((x, y))
+        if _differ_somewhere(ex, ey, x, y):
+            differing.append((ex, ey))
+        else:
+            alike.append((x, y))
     if differing:
-        ne = [sympy.Ne(_expr(x), _expr(y), evaluate=False) for x, y in differing]
+        ne = [sympy.Ne(ex, ey, evaluate=False) for ex, ey in differing]
         guards.append(ne[0] if len(ne) == 1 else sympy.Or(*ne, evaluate=False))
         return False
     return all(x == y for x, y in alike)

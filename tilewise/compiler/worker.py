@@ -51,18 +51,26 @@ def input_from(layout: dict, bases: dict):
     return tensor.requires_grad_() if requires_grad else tensor
 
 
-def compile_request(request: dict) -> bytes:
-    """The disk cache entry of the region a request describes."""
+def _inputs(request: dict) -> list:
+    bases: dict = {}
+    return [input_from(layout, bases) for layout in request["inputs"]]
+
+
+def _region(request: dict) -> tuple:
+    """The graph, inputs and DeviceSpec of a request that sends a region."""
     from ..device.spec import DeviceSpec
-    from .cache import entry_payload
-    from .driver import compile_uncached
     from .serialize import graph_from_json
 
-    gm, _ = graph_from_json(request["graph"])
-    bases: dict = {}
-    inputs = [input_from(layout, bases) for layout in request["inputs"]]
-    compiled = compile_uncached(gm, inputs, DeviceSpec(**request["spec"]), request["name"])
-    return entry_payload(request["key"], compiled)
+    return graph_from_json(request["graph"])[0], _inputs(request), DeviceSpec(**request["spec"])
+
+
+def compile_request(request: dict) -> bytes:
+    """The disk cache entry of the region a request describes."""
+    from .cache import entry_payload
+    from .driver import compile_uncached
+
+    gm, inputs, spec = _region(request)
+    return entry_payload(request["key"], compile_uncached(gm, inputs, spec, request["name"]))
 
 
 # The shape-generic regions compiled here, by the key their parent asked with: each new size's tile
@@ -73,16 +81,12 @@ GENERICS: dict = {}
 def generic_request(request: dict) -> bytes:
     """Compile a shape-generic region and keep it; reply with its guards and the example size's
     tile programs."""
-    from ..device.spec import DeviceSpec
     from .remote import made_to_json
-    from .serialize import graph_from_json
     from .symbolic import Dynamic, compile_generic
 
-    gm, _ = graph_from_json(request["graph"])
-    bases: dict = {}
-    inputs = [input_from(layout, bases) for layout in request["inputs"]]
+    gm, inputs, spec = _region(request)
     dynamic = Dynamic(tuple(frozenset(dims) for dims in request["dims"]))
-    generic = compile_generic(gm, inputs, dynamic, DeviceSpec(**request["spec"]), request["name"], request["limit"])
+    generic = compile_generic(gm, inputs, dynamic, spec, request["name"], request["limit"])
     GENERICS[request["key"]] = generic
     made, _ = generic.specialise(inputs)
     return json.dumps({"guards": generic.guard_text, "compile_seconds": generic.compile_seconds,
@@ -93,8 +97,7 @@ def size_request(request: dict) -> bytes:
     """One size's tile programs of a generic region kept here."""
     from .remote import made_to_json
 
-    bases: dict = {}
-    made, _ = GENERICS[request["key"]].specialise([input_from(layout, bases) for layout in request["inputs"]])
+    made, _ = GENERICS[request["key"]].specialise(_inputs(request))
     return json.dumps(made_to_json(made, launches=False)).encode()
 
 
@@ -113,7 +116,7 @@ def serve(requests, replies) -> None:
         request = json.loads(line)
         started = time.perf_counter()
         try:
-            payload, error = HANDLERS[request.get("kind", "region")](request), None
+            payload, error = HANDLERS[request["kind"]](request), None
         except Exception as failure:  # the parent gives the region up with this reason
             payload, error = b"", f"{type(failure).__name__}: {failure}"
         header = {"id": request["id"], "error": error, "bytes": len(payload),
