@@ -170,7 +170,7 @@ class GenericJob(NamedTuple):
     job: object         # background.Job
     key: str            # what the compile process keeps the generic region by
     gm: object          # the region's recorded graph (torch.fx.GraphModule): what the host runs
-    arguments: tuple    # the example's size key: its tile programs come with the reply
+    size_key: tuple     # the example's size (symbolic._size_key): its tile programs come with the reply
     changes: object     # adaptive.shapes.Changes: what made the site generic
     dynamic: Dynamic
     name: str
@@ -184,7 +184,7 @@ class GenericJob(NamedTuple):
         reply = json.loads(self.job.payload)
         generic = RemoteGeneric(self.key, self.name, self.gm, reply["guards"], self.dynamic, spec,
                                 float(reply["compile_seconds"]), limit)
-        generic.keep(self.arguments, made_from_json(reply["made"]))
+        generic.keep(self.size_key, made_from_json(reply["made"]))
         return generic
 
 
