@@ -86,6 +86,77 @@ def test_peak_and_reset_peak_memory_stats():
     assert torch.neuron.memory_stats()["hbm_capacity_bytes"] == tilewise.DEVICE.hbm.capacity
 
 
+# ---- torch.accelerator: the device-generic API, with neuron as the accelerator -------------------
+
+def test_accelerator_synchronize_computes_pending_lazy_work_and_checks_the_device():
+    x = torch.randn(64).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x * 2 + 1
+        assert tilewise.DEVICE.lazy_pending
+        torch.accelerator.synchronize()
+        assert not tilewise.DEVICE.lazy_pending
+        torch.accelerator.synchronize("neuron:1")
+        torch.accelerator.synchronize(0)
+    torch.testing.assert_close(y.cpu(), x.cpu() * 2 + 1)
+    with pytest.raises(tilewise.DeviceError, match="invalid device ordinal"):
+        torch.accelerator.synchronize("neuron:99")
+    with pytest.raises(ValueError, match="doesn't match the current accelerator"):
+        torch.accelerator.synchronize("cuda:0")
+
+
+def test_accelerator_memory_functions_answer_as_torch_neuron():
+    gc.collect()
+    start = torch.accelerator.memory_allocated()
+    assert start == torch.neuron.memory_allocated()
+    torch.accelerator.reset_peak_memory_stats()
+    big = torch.empty(10_000, device="neuron")
+    assert torch.accelerator.memory_allocated() == torch.accelerator.memory_reserved() == start + 40_000
+    del big
+    assert torch.accelerator.memory_allocated() == start
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.max_memory_reserved() == start + 40_000
+    stats = torch.accelerator.memory_stats()
+    assert stats == dict(sorted(torch.neuron.memory_stats().items()))  # PyTorch's flattening of ours
+    assert stats["allocation.all.allocated"] >= 1
+    torch.accelerator.reset_accumulated_memory_stats()
+    assert torch.accelerator.memory_stats()["allocation.all.allocated"] == 0
+    free, total = torch.accelerator.get_memory_info()
+    assert (free, total) == torch.neuron.mem_get_info() and total == tilewise.DEVICE.hbm.capacity
+    torch.accelerator.empty_cache()
+    torch.accelerator.empty_host_cache()  # crashed the interpreter (no host allocator)
+    assert torch.accelerator.memory_allocated("neuron:1") == torch.neuron.memory_allocated(1)
+
+
+def test_accelerator_capability_lists_dtypes_a_neuron_tensor_holds_and_converts():
+    dtypes = torch.accelerator.get_device_capability()["supported_dtypes"]
+    assert torch.float32 in dtypes and torch.bfloat16 in dtypes and torch.qint8 not in dtypes
+    for dtype in dtypes:
+        host = torch.arange(6).reshape(2, 3).to(dtype)
+        on_device = host.to("neuron")
+        assert on_device.dtype == dtype
+        torch.testing.assert_close(on_device.cpu(), host)
+
+
+def test_benchmark_timer_works_with_tilewise_imported():
+    """torch.utils.benchmark synchronizes the accelerator around each measurement: importing
+    tilewise made it raise for every program, CPU-only ones included."""
+    from torch.utils.benchmark import Timer
+
+    a = torch.randn(8)
+    assert Timer("a + a", globals={"a": a}).timeit(10).mean > 0
+    assert Timer("a + a", globals={"a": a.to("neuron")}).timeit(10).mean > 0
+
+
+def test_accelerator_entries_pass_through_when_neuron_is_not_the_accelerator(monkeypatch):
+    entry = torch._C._accelerator_getDeviceCapability
+    assert entry.pytorch is not entry and not hasattr(entry.pytorch, "pytorch")  # one layer, however often installed
+    from tilewise.device.accelerator import answer_accelerator_api
+    answer_accelerator_api()
+    assert not hasattr(torch._C._accelerator_getDeviceCapability.pytorch, "pytorch")
+    monkeypatch.setattr(torch._C, "_accelerator_getAccelerator", lambda: None)
+    with pytest.raises(RuntimeError, match="doesn't support getting device capabilities"):
+        torch._C._accelerator_getDeviceCapability(0)  # PyTorch's own, which knows no neuron
+
+
 # ---- simulated HBM out of memory ----------------------------------------------------------------
 
 def _check_oom(error, hbm, requested):

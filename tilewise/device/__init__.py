@@ -5,6 +5,7 @@ from .backend import (allow_loading, backward_on_calling_thread, convert_modules
 register()  # first: everything below names torch.device("neuron")
 
 from . import serialization, unsupported  # noqa: E402
+from .accelerator import answer_accelerator_api  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
 from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
 from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
@@ -17,6 +18,7 @@ share_between_processes(NeuronTensor, reduce_for_process)
 treat_host_memory_as_pinned(NEURON.type)
 fork_safely(DEVICE)
 backward_on_calling_thread(DEVICE)
+answer_accelerator_api()
 unsupported.refuse_storages()
 unsupported.refuse_nested()
 

@@ -113,14 +113,25 @@ class HBM:
             self._settle()
             self.peak = self._in_use
 
+    def reset_accumulated(self) -> None:
+        """Start counting allocations and frees from zero (torch.cuda.reset_accumulated_memory_stats)."""
+        with self._lock:
+            self._settle()
+            self.allocations = self.frees = 0
+
     def stats(self) -> dict[str, int]:
-        """Named like torch.cuda.memory_stats() so existing tooling reads it."""
-        in_use = self.in_use  # settles the frees first
-        return {
-            "allocated_bytes.all.current": in_use,
-            "allocated_bytes.all.peak": self.peak,
-            "allocation.all.current": len(self._live),
-            "allocation.all.allocated": self.allocations,
-            "allocation.all.freed": self.frees,
-            "hbm_capacity_bytes": self.capacity,
-        }
+        """Named like torch.cuda.memory_stats() so existing tooling reads it. Nothing caches freed
+        memory, so what is reserved is what is allocated."""
+        with self._lock:
+            self._settle()
+            in_use, peak = self._in_use, self.peak
+            return {
+                "allocated_bytes.all.current": in_use,
+                "allocated_bytes.all.peak": peak,
+                "reserved_bytes.all.current": in_use,
+                "reserved_bytes.all.peak": peak,
+                "allocation.all.current": len(self._live),
+                "allocation.all.allocated": self.allocations,
+                "allocation.all.freed": self.frees,
+                "hbm_capacity_bytes": self.capacity,
+            }

@@ -106,6 +106,10 @@ def reset_max_memory_allocated(device=None) -> None:
     _hbm(device).reset_peak()
 
 
+def reset_accumulated_memory_stats(device=None) -> None:
+    _hbm(device).reset_accumulated()
+
+
 def empty_cache() -> None:
     """Nothing is cached: freed tensors give their HBM back at once."""
 
