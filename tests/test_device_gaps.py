@@ -107,3 +107,24 @@ _SPARSE = {
 def test_sparse_tensors_on_neuron_are_refused_clearly(case):
     with pytest.raises(tilewise.DeviceError, match="dense \\(strided\\) only"):
         _SPARSE[case]()
+
+
+@pytest.mark.parametrize("inference", [False, True])
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_record_stream_has_nothing_to_do_and_keeps_regions_compiling(mode, inference):
+    """Prefetching code calls `t.record_stream(stream)` after copying on a side stream: CPU has no
+    kernel for it (NotImplementedError on neuron), and a recorded one made its region's compile fail."""
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    x = torch.randn(8)
+    with torch.inference_mode() if inference else contextlib.nullcontext(), \
+            tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        for _ in range(tilewise.config.threshold + 2):
+            y = x.to("neuron") * 2
+            y.record_stream(torch.neuron.current_stream())
+            z = (y + 1).cpu()
+    torch.testing.assert_close(z, x * 2 + 1)
+    stats = tilewise.stats()
+    assert not [reason for (_, reason) in stats.fallbacks if "compile failed" in reason]
+    if mode in ("adaptive", "compiled"):
+        assert stats.compiles >= 1 and stats.ops_compiled > 0

@@ -24,6 +24,7 @@ class Why(enum.Enum):
     COPY_TO_HOST = "copy to host"
     HOST_TENSOR = "host tensor argument"
     BETWEEN_CORES = "tensors on two NeuronCores"
+    NO_EFFECT = "nothing to do on a device that runs each op as it is issued"  # neither recorded nor run
     # the compiler's refusals
     FUSION_KINDS = "kind"        # two kernel kinds that do not fuse (matmul with matmul)
     CYCLE = "cycle"              # the fusion would make the kernel graph cyclic

@@ -106,9 +106,16 @@ def on_other_sizes(mode: Mode, settling: bool, sightings: int, generalisations: 
     return Decision(Verdict.GENERALISE)
 
 
+# record_stream tells a CUDA-style allocator that another stream still reads a tensor; each op here
+# runs as it is issued, so there is nothing to tell (eager runs it as a no-op: eager/composite.py).
+NO_EFFECT = frozenset({torch.ops.aten.record_stream.default})
+
+
 def runs_now(func) -> Reason | None:
     """Why an op must run at once, whatever was recorded before it: its output's shape depends on
-    data, or it reads device data on the host (its tags say which)."""
+    data, or it reads device data on the host (its tags say which); or why it need not run at all."""
+    if func in NO_EFFECT:
+        return Reason(Why.NO_EFFECT)
     tags = func.tags
     if torch.Tag.dynamic_output_shape in tags:
         return Reason(Why.DATA_DEPENDENT_SHAPE)

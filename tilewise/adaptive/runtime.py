@@ -125,6 +125,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             if settings is not self.segment.settings and self.segment.nodes:
                 self.flush(SETTINGS_CHANGE)  # a segment is planned with one engine block's settings
             reason = info.runs_now
+            if reason is not None and reason.why is Why.NO_EFFECT:
+                return None
             if reason is None and (kwargs or info.random):
                 # else the segment checks its inputs' cores as it records them: one walk, not two
                 reason = copies_to_host(kwargs) or self._enter_core(args, kwargs)

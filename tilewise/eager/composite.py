@@ -7,7 +7,8 @@ None has a CPU kernel, so the executor cannot run them on the host buffers; nor 
 `_pack_padded_sequence`, which takes and returns CPU tensors next to device data. Each gets here the
 computation of CUDA's kernel (aten/src/ATen/native/cuda/RNN.cu) written in aten ops; torch._decomp
 has none for them (it decomposes whole `lstm`/`gru` calls, not the cells that LSTMCell and GRUCell
-also use).
+also use). `record_stream`, which CPU has no kernel for either, has nothing to do on a device that
+runs each op as it is issued (the lazy modes drop it: adaptive/policy.NO_EFFECT).
 
 Two ways in:
 - the forward cells are registered at the AutogradPrivateUse1 key, so on `neuron` they are
@@ -116,6 +117,12 @@ def pack_padded_sequence(input, lengths, batch_first=False):
     return aten.cat.default(steps), torch.tensor(batch_sizes, dtype=torch.int64)
 
 
+def record_stream(tensor, stream) -> None:
+    """Nothing to record: the device runs each op as it is issued, so no stream's later work can
+    still be reading a tensor's memory when the tensor is freed (CUDA's reason for the call). CPU
+    has no kernel for it."""
+
+
 # Op overload -> its computation in aten ops, for the ops the executor cannot run on host buffers.
 COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._thnn_fused_lstm_cell.default: fused_lstm_cell,
@@ -123,6 +130,7 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._thnn_fused_gru_cell.default: fused_gru_cell,
     aten._thnn_fused_gru_cell_backward.default: fused_gru_cell_backward,
     aten._pack_padded_sequence.default: pack_padded_sequence,
+    aten.record_stream.default: record_stream,
     # Composite ops that reach the device whole when autograd is off (inference_mode) and carry the
     # CPU `batch_sizes` of a PackedSequence: PyTorch's own decomposition (torch._decomp's where it
     # has one, else the CompositeImplicitAutograd kernel) on the device tensors.
@@ -131,7 +139,7 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).
-_ABOVE_AUTOGRAD = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_pack_padded_sequence")
+_ABOVE_AUTOGRAD = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_pack_padded_sequence", "record_stream")
 _library: torch.library.Library | None = None
 
 
