@@ -15,7 +15,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = ("gpt2", "llama", "cnn", "rnn", "mixed_precision", "manual_updates", "interrupts",
-            "interrupts_handler")
+            "interrupts_handler", "bert", "vit")
 MODES = ("eager", "adaptive", "compiled")
 
 
