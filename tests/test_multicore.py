@@ -375,3 +375,62 @@ def test_dataloader_workers_hand_back_tensors_on_their_core():
     batches = [batch for batch, in loader]
     assert [b.device for b in batches] == [torch.device("neuron", 1)] * 2
     torch.testing.assert_close(torch.cat([b.cpu() for b in batches]), data, rtol=0, atol=0)
+
+
+# ---- nn.DataParallel across cores --------------------------------------------------------------
+
+def _data_parallel_training(device, device_ids=None, mode=None):
+    """Five SGD steps of a small MLP, wrapped in nn.DataParallel on neuron, then an eval forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    first = torch.device("neuron", device_ids[0] if device_ids else 0) if device == "neuron" else device
+    model.to(first)
+    wrapped = torch.nn.DataParallel(model, device_ids=device_ids) if device == "neuron" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(5)]
+    losses = []
+    with _engine(mode):
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(wrapped(x.to(first)), y.to(first))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            out = wrapped(batches[0][0].to(first))
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}, out
+
+
+@pytest.mark.parametrize("device_ids", [None, [0], [1, 3], [2, 5, 7]])
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_data_parallel_scatters_replicates_and_gathers_as_cpu_computes(device_ids, mode):
+    """nn.DataParallel failed on neuron for any device_ids ("torch._C has no attribute '_scatter'":
+    PyTorch's CPU wheel builds its copies between devices for CUDA only)."""
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    want_losses, want_state, want_out = _data_parallel_training("cpu")
+    losses, state, out = _data_parallel_training("neuron", device_ids, mode)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+    for name, value in want_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    assert out.device == torch.device("neuron", device_ids[0] if device_ids else 0)
+    torch.testing.assert_close(out.cpu(), want_out, rtol=1e-5, atol=1e-6)
+    if mode is not None:
+        assert_compiled_if_lazy(mode)  # the step outside the replicas (loss, backward, SGD) compiles
+
+
+def test_parallel_copies_take_neuron_tensors_and_say_so_otherwise():
+    from torch.nn.parallel import comm
+
+    x = torch.arange(6.0).to("neuron:1")
+    on_cores = comm.broadcast(x, [1, 2])
+    assert on_cores[0] is x and on_cores[1].device == torch.device("neuron", 2)
+    parts = comm.scatter(x, [0, 2], chunk_sizes=[2, 4])
+    assert [p.device.index for p in parts] == [0, 2] and [p.numel() for p in parts] == [2, 4]
+    assert torch.equal(comm.gather(parts, destination=-1), x.cpu())
+    assert comm.gather(parts, destination=3).device == torch.device("neuron", 3)
+    with pytest.raises(tilewise.DeviceError, match="take neuron tensors"):
+        comm.broadcast(torch.ones(2), [0, 1])
+    with pytest.raises(tilewise.DeviceError, match="on the first device"):
+        comm.broadcast_coalesced([x], [0, 1])

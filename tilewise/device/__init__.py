@@ -6,6 +6,7 @@ register()  # first: everything below names torch.device("neuron")
 
 from . import serialization, unsupported  # noqa: E402
 from .accelerator import answer_accelerator_api  # noqa: E402
+from .parallel import data_parallel_across_cores  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
 from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
 from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
@@ -19,6 +20,7 @@ treat_host_memory_as_pinned(NEURON.type)
 fork_safely(DEVICE)
 backward_on_calling_thread(DEVICE)
 answer_accelerator_api()
+data_parallel_across_cores()
 unsupported.refuse_storages()
 unsupported.refuse_nested()
 
