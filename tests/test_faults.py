@@ -267,3 +267,91 @@ def test_two_threads_using_the_engine_at_once_compute_correctly(modes):
         assert got_loss == pytest.approx(loss.item(), rel=1e-5)
         torch.testing.assert_close(got_grad, w.grad)
     assert_pending_state_clear()
+
+
+# -- errors inside a backward pass ------------------------------------------------------------------
+# The autograd engine's stream guard for neuron calls into Python as it unwinds: an exception of an
+# op inside backward ended the process ("terminate called without an active exception") in every
+# mode. It must reach the program as itself (device/backward_errors.py).
+
+def _forward(x, w):
+    return ((x @ w).tanh() @ w).sum()
+
+
+@pytest.mark.parametrize("mode", [None, "eager", "adaptive", "compiled"])
+def test_out_of_memory_in_backward_raises_it_and_a_retry_with_room_matches_cpu(mode):
+    import contextlib
+    import gc
+
+    x_host, w_host = torch.randn(64, 64), torch.randn(64, 64)
+    xc, wc = x_host.clone().requires_grad_(), w_host.clone().requires_grad_()
+    _forward(xc, wc).backward()
+    hbm = tilewise.DEVICE.hbm
+    saved = hbm.capacity
+    x, w = x_host.to("neuron").requires_grad_(), w_host.to("neuron").requires_grad_()
+    block = tilewise.engine(mode=mode) if mode else contextlib.nullcontext()
+    with block:
+        loss = _forward(x, w)
+        gc.collect()
+        hbm.capacity = hbm.in_use + 20_000  # the forward's buffers fit, the backward's do not
+        try:
+            with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+                loss.backward()
+                tilewise.sync()
+        finally:
+            hbm.capacity = saved
+        assert x.grad is None and w.grad is None  # the failing pass stopped before accumulating
+        _forward(x, w).backward()  # a batch-size finder's retry
+    torch.testing.assert_close(x.grad.cpu(), xc.grad)
+    torch.testing.assert_close(w.grad.cpu(), wc.grad)
+    assert_pending_state_clear()
+
+
+@pytest.mark.parametrize("mode", [None, "eager", "adaptive"])
+def test_an_interrupt_inside_backward_reaches_the_program(mode, monkeypatch):
+    """Ctrl-C during backward lands in the engine's Python (each op's dispatch): KeyboardInterrupt
+    from backward(), the process alive and the engine usable."""
+    import contextlib
+
+    from tilewise.adaptive import tracer
+    from tilewise.eager import executor
+
+    def interrupting(real):
+        def entry(func, *args, **kwargs):
+            if func is torch.ops.aten.cos.default:  # sin's backward
+                raise KeyboardInterrupt
+            return real(func, *args, **kwargs)
+        return entry
+
+    if mode is None:
+        monkeypatch.setattr(executor, "run", interrupting(executor.run))
+    elif mode == "eager":
+        monkeypatch.setattr(tracer, "execute", interrupting(tracer.execute))
+    else:
+        monkeypatch.setattr(RUNTIME, "dispatch", interrupting(RUNTIME.dispatch))
+    x = torch.randn(8).to("neuron").requires_grad_()
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        y = (x * 3).sin().sum()
+        with pytest.raises(KeyboardInterrupt):
+            y.backward()
+        monkeypatch.undo()
+        (x * 3).sin().sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 3 * torch.cos(x.detach().cpu() * 3))
+
+
+@pytest.mark.parametrize("mode", [None, "eager", "adaptive", "compiled"])
+def test_a_sparse_embedding_gradient_is_refused_clearly_in_every_mode(mode):
+    """Lazy modes recorded the sparse gradient's constructor into a dense buffer: wrong weights
+    after the step, silently. Eager's refusal ended the process from inside backward."""
+    import contextlib
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 3, sparse=True).to("neuron")
+    before = embedding.weight.detach().cpu().clone()
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        loss = embedding(torch.tensor([[1, 2], [3, 1]]).to("neuron")).sum()
+        with pytest.raises(tilewise.DeviceError, match="use sparse=False on neuron"):
+            loss.backward()
+            tilewise.sync()
+    assert embedding.weight.grad is None
+    assert torch.equal(embedding.weight.detach().cpu(), before)

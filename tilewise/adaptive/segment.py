@@ -314,6 +314,10 @@ def _host_outputs(node: Node):
     # None: an output the op was asked not to compute (convolution_backward's output_mask)
     if not outs or not all(isinstance(o, torch.Tensor) or o is None and type(out) is tuple for o in outs):
         return Reason(Why.UNRECORDABLE, "returns a non-tensor")
+    if any(o is not None and o.layout is not torch.strided for o in outs):
+        # a sparse result (a sparse embedding's gradient): no dense buffer can stand for it, and
+        # eager refuses it in its own words
+        return Reason(Why.UNRECORDABLE, "returns a tensor that is not dense")
     described = tuple(None if o is None else (o.shape, o.stride(), o.dtype) for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
     return isinstance(out, (tuple, list)), described, \

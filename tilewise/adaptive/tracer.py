@@ -10,6 +10,7 @@ import contextlib
 from torch._C._dynamo import eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
+from ..device import backward_errors
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import execute
 
@@ -30,16 +31,21 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if NeuronTensor not in types:
-            if not names_neuron(kwargs.get("device")):
-                return func(*args, **kwargs)
-            if self.lazy:
-                return self.runtime.create(func, args, kwargs, self.settings)
-        elif self.lazy:
-            return self.runtime.dispatch(func, args, kwargs, self.settings)
-        self.runtime.stats.ops_seen += 1
-        self.runtime.stats.ops_eager += 1
-        return execute(func, args, kwargs)
+        try:
+            if NeuronTensor not in types:
+                if not names_neuron(kwargs.get("device")):
+                    return func(*args, **kwargs)
+                if self.lazy:
+                    return self.runtime.create(func, args, kwargs, self.settings)
+            elif self.lazy:
+                return self.runtime.dispatch(func, args, kwargs, self.settings)
+            self.runtime.stats.ops_seen += 1
+            self.runtime.stats.ops_eager += 1
+            return execute(func, args, kwargs)
+        except BaseException as error:  # inside a backward pass: backward_errors.py
+            if not backward_errors.inside():
+                raise
+            return backward_errors.kept(error, func, args)
 
 
 @contextlib.contextmanager

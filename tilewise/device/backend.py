@@ -8,7 +8,7 @@ import sys
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import neuron_module
+from . import backward_errors, neuron_module
 
 _PACKAGE = __name__.split(".")[0] + "."  # "tilewise.": the engine's modes are defined under it
 
@@ -38,6 +38,7 @@ def backward_on_calling_thread(device) -> None:
     engine's INTERNAL ASSERT (device_ready_queues_ index). With multithreading disabled the engine
     runs every backward op on the calling thread's queue: the same ops, in an order the graph
     allows, so the same gradients. PyTorch's own torch.compiler patches the same two names.
+    An error an op raises inside it reaches the caller as itself (backward_errors.py).
     """
     from torch.autograd import graph
 
@@ -48,7 +49,7 @@ def backward_on_calling_thread(device) -> None:
     @functools.wraps(original)
     def run_backward(*args, **kwargs):
         with torch.autograd.set_multithreading_enabled(False):
-            return original(*args, **kwargs)
+            return backward_errors.run_backward(original, *args, **kwargs)
 
     run_backward.device = device
     graph._engine_run_backward = torch.autograd._engine_run_backward = run_backward

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import backward_errors
 from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
@@ -259,8 +260,13 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict,
     layout = kwargs.get("layout")
     if layout is not None and layout is not torch.strided and not to_host:
         raise DeviceError(f"neuron tensors are dense (strided) only: cannot make a {layout} tensor on neuron "
-                          f"(in {plan.name}); make a dense one (layout=torch.strided)")
+                          f"(in {plan.name}); make a dense one (layout=torch.strided){_SPARSE_GRADIENTS}")
     return host, to_host
+
+
+# where a program meets a sparse constructor without making one itself: backward of a sparse embedding
+_SPARSE_GRADIENTS = ("; a sparse gradient is one: nn.Embedding and nn.EmbeddingBag with sparse=True "
+                     "make them, so use sparse=False on neuron (the same values, as a dense gradient)")
 
 
 def check_device(device) -> torch.device:
@@ -391,9 +397,14 @@ def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
 
 def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     """NeuronTensor.__torch_dispatch__: execute(), without a frame of its own."""
-    if DEVICE.lazy_pending:
-        DEVICE.synchronize()
-    return run(func, args, kwargs or {})
+    try:
+        if DEVICE.lazy_pending:
+            DEVICE.synchronize()
+        return run(func, args, kwargs or {})
+    except BaseException as error:
+        if not backward_errors.inside():
+            raise
+        return backward_errors.kept(error, func, args)
 
 
 def install() -> None:

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from ..device import backward_errors
 from ..device.runtime import DEVICE
 from .executor import check_device, execute, run
 
@@ -60,6 +61,15 @@ def _factory(func, *args, **kwargs):
     return run(func, args, kwargs)
 
 
+def _fallback(func, *args, **kwargs):
+    try:
+        return _factory(func, *args, **kwargs)
+    except BaseException as error:  # inside a backward pass: device/backward_errors.py
+        if not backward_errors.inside():
+            raise
+        return backward_errors.kept(error, func, args)
+
+
 class _Kernel:
     """The PrivateUse1 kernel of one op, bound to its OpOverload at its first call: resolving all
     of them at import would cost more than registering them."""
@@ -72,7 +82,12 @@ class _Kernel:
     def __call__(self, *args, **kwargs):
         if self.bound is None:
             self.bound = _kernel_for(_overload(self.qualified_name))
-        return self.bound(*args, **kwargs)
+        try:
+            return self.bound(*args, **kwargs)
+        except BaseException as error:  # inside a backward pass: device/backward_errors.py
+            if not backward_errors.inside():
+                raise
+            return backward_errors.kept(error, self.bound.args[0], args)
 
 
 def _device_op(func, *args, **kwargs):
@@ -117,4 +132,4 @@ def install() -> None:
     for name in names:
         _register(name)
     fallback = _libraries["_"] = torch.library.Library("_", "IMPL")
-    fallback.fallback(_factory, dispatch_key="PrivateUse1")
+    fallback.fallback(_fallback, dispatch_key="PrivateUse1")
