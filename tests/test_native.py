@@ -97,12 +97,19 @@ def test_broadcast_operands_and_integer_and_bool_ops_are_bitwise_cpu():
     lambda a, b, c: torch.addcdiv(a, b, c.abs() + 0.5, value=-0.0113),
     lambda a, b, c: torch._foreach_addcmul([a], [b], [c], torch.tensor([0.3], dtype=torch.float64))[0],
     lambda a, b, c: torch._foreach_addcdiv([a], [b], [c.abs() + 0.5], torch.tensor([-0.03], dtype=torch.float64))[0],
+    lambda a, b, c: torch.add(a, b, alpha=0.1234567),
+    lambda a, b, c: torch.sub(a, b, alpha=-2.8646080493927),
+    lambda a, b, c: torch.rsub(a, b, alpha=0.37),
+    lambda a, b, c: a.clone().add_(b, alpha=-0.0033),
+    lambda a, b, c: torch._foreach_add([a], [b], alpha=0.777)[0],
 ], ids=["lerp_small_weight", "lerp_large_weight", "lerp_tensor_weight", "addcmul", "addcmul_by_one", "addcdiv",
-        "foreach_addcmul_tensor_scalars", "foreach_addcdiv_tensor_scalars"])
+        "foreach_addcmul_tensor_scalars", "foreach_addcdiv_tensor_scalars", "add_alpha", "sub_alpha", "rsub_alpha",
+        "add_alpha_in_place", "foreach_add_alpha"])
 def test_multiply_adds_round_as_cpus_kernels(fn, dtype):
-    """CPU's lerp and addcmul end in one fused multiply-add and its addcdiv multiplies the number
-    first; PyTorch's decompositions round otherwise (lerp one ulp off in a tenth of the elements,
-    Adam's first moment). 1,000 + 27 elements: vector loops and scalar tails alike."""
+    """CPU's lerp, addcmul and add/sub with an alpha end in one fused multiply-add and its addcdiv
+    multiplies the number first; PyTorch's decompositions and a product then a sum in C round
+    otherwise (lerp one ulp off in a tenth of the elements, Adam's first moment; `p.add_(d,
+    alpha=step)`, L-BFGS's update). 1,000 + 27 elements: vector loops and scalar tails alike."""
     a, b, c = (torch.randn(37, 1027, dtype=dtype, generator=torch.Generator().manual_seed(i)) for i in range(3))
     check(fn, [a, b, c], exact=True, kernels=1)
 

@@ -21,7 +21,7 @@ aten = torch.ops.aten
 class How(enum.Enum):
     TENSOR_ARG = "a Tensor argument given a number: the same number as a 0-dim tensor"
     TENSOR_OVERLOAD = "a Scalar argument of an overload with a Tensor twin: the twin, given a tensor"
-    SCALE_OTHER = "alpha of add/sub: the other operand multiplied by it"
+    SCALE_OTHER = "alpha of add/sub: addcmul of the other operand and alpha (sub: -alpha)"
     LIST_OVERLOAD = "the weight of _foreach_lerp: the List overload, given the tensor once per element"
 
 
@@ -31,12 +31,24 @@ class Lift(NamedTuple):
     dtype: torch.dtype        # of the 0-dim CPU tensor the float enters as
 
 
-# Ops whose `alpha` scales their second operand (add(x, y, alpha) == x + alpha * y), with the op
-# that does the multiplication.
-_SCALED_BY_ALPHA = {name: mul for names, mul in (
-    (("add", "add_", "sub", "sub_"), aten.mul.Tensor),
-    (("_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_"), aten._foreach_mul.Tensor),
-) for name in names}
+class _Fused(NamedTuple):
+    op: object        # addcmul's overload taking the same operands
+    negated: bool     # sub: x - alpha * y is x + y * (-alpha), negation exact
+    per_tensor: bool  # a _foreach_ op: alpha once per tensor of the list
+
+
+# Ops whose `alpha` scales their second operand (add(x, y, alpha) == x + alpha * y). CPU's kernels
+# compute x + alpha * y as one fused multiply-add, and so does addcmul(x, y, alpha) with alpha a
+# 0-dim tensor: bitwise equal in float32 and float64 (a product, then a sum, rounds twice: an ulp
+# off in a tenth of the elements, compounding in an optimizer whose learning rate is scheduled).
+_SCALED_BY_ALPHA = {
+    "add": _Fused(aten.addcmul.default, False, False), "add_": _Fused(aten.addcmul_.default, False, False),
+    "sub": _Fused(aten.addcmul.default, True, False), "sub_": _Fused(aten.addcmul_.default, True, False),
+    "_foreach_add": _Fused(aten._foreach_addcmul.Scalar, False, True),
+    "_foreach_add_": _Fused(aten._foreach_addcmul_.Scalar, False, True),
+    "_foreach_sub": _Fused(aten._foreach_addcmul.Scalar, True, True),
+    "_foreach_sub_": _Fused(aten._foreach_addcmul_.Scalar, True, True),
+}
 _TWINS = {"Scalar": "Tensor", "Tensor_Scalar": "Tensor_Tensor"}
 # Scalar overloads with no Tensor twin whose List overload takes a tensor per element instead (Adam's
 # `_foreach_lerp_(exp_avgs, grads, 1 - beta1)`, whose beta1 a OneCycleLR schedule changes every
@@ -94,15 +106,20 @@ ROUNDED_TO_THE_TENSORS = frozenset({aten._foreach_mul_.Scalar, aten._foreach_mul
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
+# Scalar overloads whose CPU kernel special-cases values that their Tensor twin computes the general
+# way: pow by a number is x * x at 2, sqrt at 0.5, a reciprocal at -1 (ATen's pow_tensor_scalar),
+# pow by a 0-dim tensor std::pow throughout, an ulp apart. Their floats stay constants.
+_SPECIAL_CASED = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
+
+
 def _sixteen_bit(inputs) -> torch.dtype | None:
     dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor)}
     return next(iter(dtypes)) if len(dtypes) == 1 and dtypes <= set(_SIXTEEN_BIT) else None
 
 
 def _wide(inputs) -> bool:
-    """Whether alpha may be applied as a multiplication of its own: in float32 the product rounds
-    once more than CPU's fused `x + alpha * y` (within float32 tolerance); in bfloat16 or float16
-    that extra rounding is the size of the result's own precision, so those keep alpha constant."""
+    """Whether alpha may enter as a tensor: in bfloat16 or float16, addcmul rounds a 0-dim alpha
+    to the inputs' dtype where CPU's add keeps it in float32, so those keep alpha constant."""
     return all(t.dtype in (torch.float32, torch.float64) for t in inputs)
 
 
@@ -111,9 +128,17 @@ def _how(func, argument, twin) -> How | None:
         return None
     if isinstance(argument.type, torch.TensorType):
         return How.TENSOR_ARG
-    if argument.name == "alpha" and func._overloadpacket.__name__ in _SCALED_BY_ALPHA:
-        return How.SCALE_OTHER
+    fused = _SCALED_BY_ALPHA.get(func._overloadpacket.__name__)
+    if argument.name == "alpha" and fused is not None:
+        # addcmul takes tensors: add.Tensor's other, _foreach_add.List's others (not add.Scalar's number)
+        other = func._schema.arguments[1].type
+        if fused.per_tensor:
+            return How.SCALE_OTHER if isinstance(other, torch.ListType) and \
+                isinstance(other.getElementType(), torch.TensorType) else None
+        return How.SCALE_OTHER if isinstance(other, torch.TensorType) else None
     index = func._schema.arguments.index(argument)
+    if func in _SPECIAL_CASED:
+        return None
     if twin is not None and isinstance(twin._schema.arguments[index].type, torch.TensorType):
         return How.TENSOR_OVERLOAD
     if func in _LIST_TWINS and argument.name == "weight":
@@ -139,11 +164,13 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
     """Add the op to an FX graph with its lifted floats taken from `scalars` (placeholders, one
     per lift, in order)."""
     for lift, scalar in zip(lifts, scalars):
-        if lift.how is How.SCALE_OTHER:
+        if lift.how is How.SCALE_OTHER:  # alpha: the last argument, so the last lift
             _pop(args, kwargs, lift.position)
-            other = graph.call_function(_SCALED_BY_ALPHA[func._overloadpacket.__name__], (args[1], scalar))
-            args[1] = other
-        elif lift.how is How.LIST_OVERLOAD:
+            fused = _SCALED_BY_ALPHA[func._overloadpacket.__name__]
+            alpha = graph.call_function(aten.neg.default, (scalar,)) if fused.negated else scalar
+            return graph.call_function(fused.op, (args[0], args[1], [alpha] * len(args[1]) if fused.per_tensor
+                                                  else alpha), kwargs)
+        if lift.how is How.LIST_OVERLOAD:
             _put(args, kwargs, lift.position, [scalar] * len(args[0]))
         else:
             _put(args, kwargs, lift.position, scalar)

@@ -87,9 +87,14 @@ def cast(expr: str, source: torch.dtype, target: torch.dtype) -> str:
 OUT, COMPARE, LOGICAL = "out", "compare", "logical"
 
 
-def _alpha(call: Callable[[str, str], str]):
-    def expr(a, b, alpha=None):
-        return call(a, b) if alpha is None else call(a, f"({alpha} * {b})")
+def _alpha(call: Callable[[str, str], str], fused: Callable[[str, str, str], str]):
+    """`a op b`, or with an alpha `a op alpha * b`: for floats CPU's kernels compute that as one fused
+    multiply-add (vec::fmadd; their scalar tails contract alike), which `fused` writes with C's fma
+    (-ffp-contract=off keeps a product then a sum two roundings: an ulp off)."""
+    def expr(a, b, alpha=None, *, floating=False):
+        if alpha is None:
+            return call(a, b)
+        return fused(a, b, alpha) if floating else call(a, f"({alpha} * {b})")
     return expr
 
 
@@ -116,9 +121,9 @@ _UNARY_MATH = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "sin"
                "asinh": "asinh", "acosh": "acosh", "atanh": "atanh", "erfc": "erfc", "log10": "log10"}
 
 ELEMENTWISE: dict[str, tuple[str, Callable]] = {
-    "add": (OUT, _alpha(lambda a, b: f"({a} + {b})")),
-    "sub": (OUT, _alpha(lambda a, b: f"({a} - {b})")),
-    "rsub": (OUT, _alpha(lambda a, b: f"({b} - {a})")),
+    "add": (OUT, _alpha(lambda a, b: f"({a} + {b})", lambda a, b, alpha: f"fma({alpha}, {b}, {a})")),
+    "sub": (OUT, _alpha(lambda a, b: f"({a} - {b})", lambda a, b, alpha: f"fma(-{alpha}, {b}, {a})")),
+    "rsub": (OUT, _alpha(lambda a, b: f"({b} - {a})", lambda a, b, alpha: f"fma(-{alpha}, {a}, {b})")),
     "mul": (OUT, lambda a, b: f"({a} * {b})"),
     "div": (OUT, lambda a, b: f"({a} / {b})"),
     "neg": (OUT, lambda a: f"(-{a})"),

@@ -316,6 +316,7 @@ class KernelWriter:
         extra = {}
         if bound.get("alpha") is not None:
             extra["alpha"] = literal(bound["alpha"], compute)
+            extra["floating"] = compute.is_floating_point
         if name == "pow" and "exponent" in bound and not is_tile(bound["exponent"]):
             values.append(Scalar(literal(bound["exponent"], compute), repr(bound["exponent"]).rstrip("0")
                                  .rstrip(".") if isinstance(bound["exponent"], float) else repr(bound["exponent"])))

@@ -20,7 +20,7 @@ from .partition import partition
 from .region import Region
 from .schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-5"  # bumped when a pass computes differently: older disk entries are not used
+COMPILER_VERSION = "tilewise-compiler-6"  # bumped when a pass computes differently: older disk entries are not used
 
 # The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
 # example inputs travel in it).
