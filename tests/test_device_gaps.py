@@ -128,3 +128,57 @@ def test_record_stream_has_nothing_to_do_and_keeps_regions_compiling(mode, infer
     assert not [reason for (_, reason) in stats.fallbacks if "compile failed" in reason]
     if mode in ("adaptive", "compiled"):
         assert stats.compiles >= 1 and stats.ops_compiled > 0
+
+
+@pytest.mark.parametrize("lengths", ["cpu tensors", "device tensors", "tuples"])
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_ctc_loss_takes_its_lengths_as_cpu_tensors_as_on_cuda(mode, lengths):
+    """CUDA reads CTC's lengths on the host, so speech and OCR code passes them as CPU tensors; on
+    neuron PyTorch's composite divided the device loss by them (a mixed-device error)."""
+    def run(device):
+        torch.manual_seed(0)
+        log_probs = torch.randn(12, 2, 5).log_softmax(2).to(device).requires_grad_()
+        targets = torch.tensor([[1, 2, 2], [3, 1, 0]]).to(device)
+        given = {"cpu tensors": (torch.tensor([12, 10]), torch.tensor([3, 2])),
+                 "device tensors": (torch.tensor([12, 10]).to(device), torch.tensor([3, 2]).to(device)),
+                 "tuples": ((12, 10), (3, 2))}[lengths]
+        results = []
+        for reduction in ("mean", "sum", "none"):
+            loss = torch.nn.functional.ctc_loss(log_probs, targets, *given, reduction=reduction, zero_infinity=True)
+            log_probs.grad = None
+            loss.sum().backward()
+            results += [loss.detach().cpu(), log_probs.grad.cpu()]
+        with torch.inference_mode():  # the composite arrives whole below autograd
+            results.append(torch.nn.functional.ctc_loss(log_probs.detach(), targets, *given).cpu())
+        return results
+
+    want = run("cpu")
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        got = run("neuron")
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_views_of_normal_tensors_under_inference_mode_are_normal_tensors_as_on_cpu(mode):
+    """`with torch.inference_mode(): model(x[:, :-1])` with x made outside: every view of a normal
+    neuron tensor there failed ("Cannot set version_counter for inference tensor")."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).to(device)
+        x = torch.randn(4, 6).to(device)
+        w = model[0].weight
+        with torch.inference_mode():
+            views = [x[:, :-1], x.view(-1), x.t(), w.detach(), w.t()]
+            out = model(x[:, :-1])
+            flags = [v.is_inference() for v in views] + [out.is_inference()]
+            x[0].add_(1)  # in place through a view of a normal tensor: allowed, as on CPU
+            values = [v.cpu() for v in views] + [out.cpu()]
+        return flags, values + [x.cpu()]
+
+    want_flags, want = run("cpu")
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        flags, got = run("neuron")
+    assert flags == want_flags == [False] * 5 + [True]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

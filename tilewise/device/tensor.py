@@ -21,6 +21,7 @@ def names_neuron(device) -> bool:
     """Whether a `device=` argument (a string or torch.device) names the neuron device."""
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 class NeuronTensor(torch.Tensor):
@@ -147,6 +148,12 @@ def wrap_view(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     of a device tensor's buffer (every recorded view makes one), or what wrap() has checked and
     counted. Only its offset and its conjugate and negative bits (conj(), a view of a conjugate)
     can differ from a fresh buffer's."""
+    if _inference_mode_enabled() and not data.is_inference():
+        # A view of a normal tensor under inference_mode is a normal tensor (autograd gives it its
+        # base's version counter); a wrapper made in inference mode would be an inference tensor,
+        # and every view of a normal device tensor failed there ("Cannot set version_counter").
+        with torch.inference_mode(False):
+            return wrap_view(data, core)
     offset = data.storage_offset()
     if offset:
         tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,

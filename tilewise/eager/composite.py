@@ -117,6 +117,14 @@ def pack_padded_sequence(input, lengths, batch_first=False):
     return aten.cat.default(steps), torch.tensor(batch_sizes, dtype=torch.int64)
 
 
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """CTC loss given its lengths as tensors: CUDA reads them on the host, so they may be CPU tensors
+    beside device ones. PyTorch's composite keeps them tensors for a tensor subclass and divides the
+    device loss by the CPU lengths (a mixed-device error); as lists they take its CPU and CUDA path."""
+    return aten.ctc_loss.IntList(log_probs, targets, input_lengths.tolist(), target_lengths.tolist(), blank,
+                                 reduction, zero_infinity)
+
+
 def record_stream(tensor, stream) -> None:
     """Nothing to record: the device runs each op as it is issued, so no stream's later work can
     still be reading a tensor's memory when the tensor is freed (CUDA's reason for the call). CPU
@@ -131,6 +139,7 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._thnn_fused_gru_cell_backward.default: fused_gru_cell_backward,
     aten._pack_padded_sequence.default: pack_padded_sequence,
     aten.record_stream.default: record_stream,
+    aten.ctc_loss.Tensor: ctc_loss,
     # Composite ops that reach the device whole when autograd is off (inference_mode) and carry the
     # CPU `batch_sizes` of a PackedSequence: PyTorch's own decomposition (torch._decomp's where it
     # has one, else the CompositeImplicitAutograd kernel) on the device tensors.
@@ -139,7 +148,8 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).
-_ABOVE_AUTOGRAD = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_pack_padded_sequence", "record_stream")
+_ABOVE_AUTOGRAD = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_pack_padded_sequence", "record_stream",
+                   "ctc_loss.Tensor")
 _library: torch.library.Library | None = None
 
 
@@ -150,4 +160,5 @@ def install() -> None:
         return
     _library = torch.library.Library("aten", "IMPL")
     for name in _ABOVE_AUTOGRAD:
-        _library.impl(name, COMPOSITES[getattr(aten, name).default], "AutogradPrivateUse1")
+        packet, _, overload = name.partition(".")
+        _library.impl(name, COMPOSITES[getattr(getattr(aten, packet), overload or "default")], "AutogradPrivateUse1")
