@@ -182,3 +182,48 @@ def test_views_of_normal_tensors_under_inference_mode_are_normal_tensors_as_on_c
     assert flags == want_flags == [False] * 5 + [True]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
+    """`x[cpu_index]`, `x[cpu_mask] = v`: CUDA copies host index tensors to the device; on neuron
+    they were a mixed-device error (nn.init.sparse_ indexes so)."""
+    index, mask = torch.tensor([2, 0]), torch.tensor([True, False, True])
+    programs = [lambda x: x[index], lambda x: x[mask], lambda x: x[index, index], lambda x: x[:, index.flip(0)],
+                lambda x: x.__setitem__(index, 0.0), lambda x: x.__setitem__(mask, 1.0),
+                lambda x: x.__setitem__((index, index), 5.0), lambda x: x.index_put_((index,), x[0] * 2)]
+    for program in programs:
+        want = torch.arange(12.0).reshape(3, 4)
+        x = want.to("neuron")
+        with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+            got, expected = program(x), program(want)
+            got = None if got is None else got.cpu()
+        assert torch.equal(x.cpu(), want)
+        assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode):
+    """The usual `X[perm[i:i + batch]]` with a CPU permutation: the indices are uploaded, the
+    indexing is recorded and compiles with the step; no flush for a host tensor."""
+    torch.manual_seed(0)
+    data, targets = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    model_cpu = torch.nn.Linear(8, 3)
+    model = torch.nn.Linear(8, 3).to("neuron")
+    model.load_state_dict(model_cpu.state_dict())
+    opt_cpu, opt = torch.optim.SGD(model_cpu.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    data_dev, targets_dev = data.to("neuron"), targets.to("neuron")
+    tilewise.reset_caches()
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode):
+        for step in range(6):
+            batch = torch.randperm(64, generator=torch.Generator().manual_seed(step))[:16]
+            for m, o, x, y in ((model_cpu, opt_cpu, data, targets), (model, opt, data_dev, targets_dev)):
+                loss = torch.nn.functional.cross_entropy(m(x[batch]), y[batch])
+                o.zero_grad()
+                loss.backward()
+                o.step()
+    for p, q in zip(model.parameters(), model_cpu.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach())
+    stats = tilewise.stats()
+    assert stats.ops_compiled > 0 and not [r for (_, r) in stats.fallbacks if "host tensor" in r], stats.report()

@@ -12,9 +12,10 @@ Per flush, the whole policy:
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -22,7 +23,7 @@ from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
-from ..eager.executor import check_device, execute, run
+from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run
 from ..eager.plan import is_random, plan_of
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
@@ -49,7 +50,9 @@ class OpInfo(NamedTuple):
     func: object
     runs_now: Reason | None   # why it must run eagerly, whatever was recorded before it
     random: bool              # draws random numbers
-    lift: tuple | None        # scalars.SCALAR_LISTS' entry: its list of floats goes as CPU tensors
+    # (func, args) -> (func, args) as recorded: a list of floats as CPU tensors (scalars.SCALAR_LISTS),
+    # host index tensors uploaded (executor.INDEXING); None for most ops
+    rewrite: Callable | None
 
 
 class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
@@ -118,8 +121,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def dispatch(self, func, args, kwargs, settings: Settings):
         info = self._op_info.get(id(func))  # _info, inline: this runs for every op
-        if info is None or info.func is not func or info.lift is not None:
-            func, args, info = self._lifted(func, args)
+        if info is None or info.func is not func or info.rewrite is not None:
+            func, args, info = self._rewritten(func, args)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
             if settings is not self.segment.settings and self.segment.nodes:
@@ -150,12 +153,11 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     return result
             return self._eagerly(func, args, kwargs, reason)
 
-    def _lifted(self, func, args) -> tuple:
-        """The op, its arguments and its OpInfo, with a list of floats lifted to CPU tensors where
-        scalars.SCALAR_LISTS says so."""
+    def _rewritten(self, func, args) -> tuple:
+        """The op, its arguments and its OpInfo, rewritten as the op's OpInfo.rewrite says."""
         info = self._info(func)
-        if info.lift is not None:
-            func, args = scalars.lift_scalar_list(func, info.lift, args)
+        if info.rewrite is not None:
+            func, args = info.rewrite(func, args)
             info = self._info(func)
         return func, args, info
 
@@ -163,8 +165,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
         info = self._op_info.get(id(func))
         if info is None or info.func is not func:
-            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func),
-                                                    scalars.SCALAR_LISTS.get(func))
+            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), _rewrite_of(func))
         return info
 
     def _record(self, func, args, kwargs, settings: Settings):
@@ -400,6 +401,13 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
             return None
         return self._compile(segment, region, site)
+
+
+def _rewrite_of(func) -> Callable | None:
+    lift = scalars.SCALAR_LISTS.get(func)
+    if lift is not None:
+        return functools.partial(scalars.lift_scalar_list, lift=lift)
+    return indices_on_device if func in INDEXING else None
 
 
 def _flat(values):

@@ -217,7 +217,7 @@ def _list_overloads() -> dict:
 SCALAR_LISTS = _list_overloads()
 
 
-def lift_scalar_list(func, lift, args):
+def lift_scalar_list(func, args, lift):
     """The op and its arguments with a list of floats given as CPU tensors (where they are floats
     applied to floating tensors)."""
     scalars = args[-1]

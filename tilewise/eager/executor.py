@@ -115,10 +115,32 @@ def run(func, args, kwargs):
     return result
 
 
+# Advanced indexing takes its index tensors on the host too, as CUDA's does (it copies them to the
+# device): `data[torch.randperm(n)[:batch]]`, `x[mask] = 0` with a CPU mask.
+INDEXING = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+                      torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default,
+                      torch.ops.aten._unsafe_index.Tensor, torch.ops.aten._unsafe_index_put.default})
+
+
+def indices_on_device(func, args) -> tuple:
+    """(func, args) with an indexing op's host index tensors uploaded to its input's core."""
+    indices = args[1]
+    if not any(_on_host(index) for index in indices):
+        return func, args
+    device = args[0].device
+    return func, (args[0], [index.to(device) if _on_host(index) else index for index in indices], *args[2:])
+
+
+def _on_host(value) -> bool:
+    return isinstance(value, _Tensor) and not isinstance(value, NeuronTensor) and value.device.type == "cpu"
+
+
 def _run(func, args, kwargs):
     """run() for every op and argument: kwargs (`device=` among them), lists, host tensors,
     transfers, mutating and composite ops, tuples and non-tensors returned."""
     func = MATERIALIZED.get(func, func)
+    if func in INDEXING:
+        func, args = indices_on_device(func, args)
     plan = plan_of(func)
     if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
         return plan.composite(*args, **kwargs)
