@@ -35,7 +35,7 @@ from .compiling import FAILED, Compiling, RegionCompiler
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
-from .segment import VIEW, OtherCore, Segment, Unrecordable
+from .segment import OtherCore, Segment, Unrecordable
 from .stats import Stats
 from .tracer import outside_tracers
 
@@ -319,9 +319,10 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             sized, before = self._stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
-        # a region of views only would compile to no kernel: views are taken at record time
+        # a region of views and allocations only (the unused `empty` of a decomposed batch_norm)
+        # would compile to no kernel: its nodes run as they are
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
-                   if any(nodes[i].kind != VIEW for i in m)]
+                   if any(nodes[i].plan.kernel for i in m)]
         order = analysis.execution_order(graph, members, len(nodes))
         needed = needed_values(segment, members)
         skeleton = tuple(n.func for n in nodes)
@@ -350,15 +351,15 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         # Reusable without analysis while only floats change: every eager node has floats or reads
         # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
         # lengths does) and must be analysed again, to compile when it has become stable.
-        floats_only = all(floating[step.index] or nodes[step.index].kind == VIEW
+        floats_only = all(floating[step.index] or not nodes[step.index].plan.kernel
                           for step in steps if isinstance(step, NodeStep))
         return steps, final, dynamic and compiling and compiled_all and floats_only
 
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
         shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
-        if node.kind == VIEW:
-            return  # taken at record time, on the real buffers: nothing runs eagerly
+        if not node.plan.kernel:
+            return  # a view (taken at record time) or an allocation: no compute runs eagerly
         if dynamic:
             self.stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
         else:

@@ -49,7 +49,7 @@ class StepRunner:
             node = segment.nodes[step.index]
             if node.kind != VIEW:  # a view was taken at record time: no op runs now
                 regions.replay(node)
-                self.stats.ops_eager += 1
+                self.stats.ops_eager += node.plan.kernel  # an allocation is no compute op
             return
         region, entry = step.region, step.entry
         entry.run(segment, region)
