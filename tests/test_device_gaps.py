@@ -185,6 +185,43 @@ def test_views_of_normal_tensors_under_inference_mode_are_normal_tensors_as_on_c
 
 
 @pytest.mark.parametrize("mode", [None, *MODES])
+def test_composite_ops_under_inference_mode_run_as_autograd_would_as_on_cpu(mode):
+    """With autograd off, ops with a CompositeImplicitAutograd kernel reach the device whole: run
+    on the host buffers, `to(device, dtype)` made a device tensor inside a device tensor (compiled
+    mode then hung compiling BERT's padding-mask check), and a lazy `reshape` that must copy copied
+    a buffer not computed yet (wrong values, silently)."""
+    def run(device):
+        x = torch.arange(12.).reshape(3, 4).to(device)
+        other = torch.ones(3, 4).to(device)
+        mask = torch.ones(3, 7, dtype=torch.long).to(device)
+        with torch.inference_mode():
+            results = [
+                (x * 2).t().reshape(-1),
+                (x + 1).flatten(0).unflatten(0, (4, 3)),
+                torch.matmul(x, other.t()),
+                x.to(device=device, dtype=torch.float64),
+                x.to(other),
+                (x * 3).to("cpu"),
+                torch.arange(5.).to(device, torch.float16),
+                torch.tensor([bool(mask[:, :6].to(device=x.device, dtype=torch.bool).all())]),
+            ]
+            same = [x.to(device) is x, x.to(torch.float32) is x]
+        return results, same
+
+    want, want_same = run("cpu")
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        for _ in range(3):  # adaptive mode compiles what recurs
+            got, same = run("neuron")
+    assert same == want_same == [True, True]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
+        assert g.device.type == "cpu" or type(g._data) is torch.Tensor  # no device tensor inside another
+    if mode in ("adaptive", "compiled"):
+        assert tilewise.stats().compiles > 0, tilewise.stats().report()
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
 def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
     """`x[cpu_index]`, `x[cpu_mask] = v`: CUDA copies host index tensors to the device; on neuron
     they were a mixed-device error (nn.init.sparse_ indexes so)."""

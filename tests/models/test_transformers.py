@@ -1,11 +1,12 @@
 """Hugging Face Transformers models trained and generating on `neuron` in every engine mode."""
 import pytest
 import torch
+import transformers
 
 import tilewise
 
 from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, neuron_copy, train_on_cpu_and_neuron
-from .hf_models import CASES, batch, build, step_loss
+from .hf_models import CASES, VOCAB, batch, build, step_loss
 
 STEPS = 5  # the first step creates the AdamW state; adaptive mode compiles after 3 identical steps
 NEW_TOKENS = 4
@@ -69,3 +70,37 @@ def test_greedy_generate_matches_cpu(name, mode):
     with tilewise.engine(mode=mode):
         tokens = _generate(neuron_model, ids)
     assert torch.equal(tokens, expected)
+
+
+def _embed(model, ids, mask):
+    """Sentence embeddings as a retrieval service computes them: mean of the unpadded tokens."""
+    with torch.inference_mode():
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        pooled = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
+    return pooled.cpu(), hidden[:, 0].cpu()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bert_embeddings_under_inference_mode_match_cpu(mode):
+    """BERT's mask helper checks `padding_mask.all()` after `mask.to(device=..., dtype=bool)`: under
+    inference_mode that `to` reached the device whole and made a device tensor inside a device
+    tensor, and compiled mode hung compiling the check."""
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32)).eval()
+    neuron_model = neuron_copy(model)
+    batches = []
+    for padded in (True, False, True, True):  # the all-ones mask takes BERT's other path
+        ids, _ = batch()
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, 5:] = 0
+        batches.append((ids, mask))
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode):
+        got = [_embed(neuron_model, ids.to("neuron"), mask.to("neuron")) for ids, mask in batches]
+    for (ids, mask), embeddings in zip(batches, got):
+        for g, w in zip(embeddings, _embed(model, ids, mask)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert_compiled_if_lazy(mode)

@@ -142,20 +142,14 @@ def _run(func, args, kwargs):
     if func in INDEXING:
         func, args = indices_on_device(func, args)
     plan = plan_of(func)
-    if plan.composite is not None:  # an op the host cannot run on its buffers: its aten ops, one kernel each
-        return plan.composite(*args, **kwargs)
+    if plan.composite is not None:
+        return run_composite(plan, args, kwargs)
     traffic = _Traffic()
     host_args = _unwrap(args, plan, traffic)
-    to_host = uploads = False
+    to_host = False
     if kwargs:
-        uploads = kwargs.get("device") is not None
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
     out = func(*host_args, **kwargs)
-    if uploads and not to_host and _shares_memory_with(out, args):
-        # `to(device="neuron")` reaches us whole under inference_mode; run on the host with
-        # device=cpu it returns its input itself, which would make the device tensor the user's
-        # CPU tensor: an upload copies, as `_to_copy` does
-        out = out.clone()
     counters.ops += 1
     core = traffic.destination()
     if plan.aliases is not None:
@@ -176,14 +170,6 @@ def _finish(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int):
     if plan.kernel:
         _charge(plan, host_args, kwargs, out, traffic, core)
     return result
-
-
-def _shares_memory_with(out, args) -> bool:
-    if not isinstance(out, _Tensor):
-        return False
-    storage = out.untyped_storage().data_ptr()
-    return any(isinstance(a, _Tensor) and type(a) is not NeuronTensor and a.untyped_storage().data_ptr() == storage
-               for a in args)
 
 
 def run_host(func, host_args, host_kwargs, core: int = 0):
@@ -279,11 +265,26 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict,
         elif type(value) is list or type(value) is tuple:
             value = _unwrap(value, plan, traffic)
         host[key] = value
+    if not to_host:
+        _check_dense(kwargs, plan)
+    return host, to_host
+
+
+def run_composite(plan: OpPlan, args, kwargs):
+    """An op the host cannot run on its buffers (or should not: OpPlan.implicit), as its aten ops,
+    one kernel each; a sparse one is refused first, as its decomposition would make one."""
+    if kwargs and kwargs.get("layout") is not None:
+        device = kwargs.get("device")
+        if device is None or check_device(device).type != "cpu":
+            _check_dense(kwargs, plan)
+    return plan.composite(*args, **kwargs)
+
+
+def _check_dense(kwargs: dict, plan: OpPlan) -> None:
     layout = kwargs.get("layout")
-    if layout is not None and layout is not torch.strided and not to_host:
+    if layout is not None and layout is not torch.strided:
         raise DeviceError(f"neuron tensors are dense (strided) only: cannot make a {layout} tensor on neuron "
                           f"(in {plan.name}); make a dense one (layout=torch.strided){_SPARSE_GRADIENTS}")
-    return host, to_host
 
 
 # where a program meets a sparse constructor without making one itself: backward of a sparse embedding

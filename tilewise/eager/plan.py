@@ -42,6 +42,7 @@ class OpPlan(NamedTuple):
     cross_device: bool             # host tensors of any size are legal arguments
     metadata_mutating: bool
     composite: Callable | None     # its computation in aten ops, where the host cannot run it (composite.py)
+    implicit: bool                 # reaches the device whole only where autograd is off: runs as `composite`
     func: object                   # the OpOverload itself
     call: Callable                 # calls the op on host tensors (an OpOverload's C++ entry: no Python frame)
     # what the executor's fast path may run: a plain op (no composite, nothing returned it wrote,
@@ -61,6 +62,15 @@ def plan_of(func) -> OpPlan:
     return plan
 
 
+def _implicit(func) -> bool:
+    """Whether the op has a CompositeImplicitAutograd kernel: autograd's dispatch key runs it, so the
+    device sees the op's aten ops, except where autograd is off (torch.inference_mode), where it
+    arrives whole. Run whole on the host buffers, some go wrong (`to(neuron, dtype)` made a device
+    tensor inside a device tensor; `reshape` in a lazy mode copied a buffer not computed yet), so
+    every mode runs them as autograd would: decomposed."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
 def _make_plan(func) -> OpPlan:
     schema = func._schema
     name = func._overloadpacket.__name__
@@ -76,7 +86,8 @@ def _make_plan(func) -> OpPlan:
     mutating = any(source is not None for source in returned_writes)
     view = not mutating and any(ret.alias_info is not None for ret in schema.returns)
     flops = flop_registry.get(func._overloadpacket)
-    composite = COMPOSITES.get(func)
+    implicit = _implicit(func)
+    composite = COMPOSITES.get(func) or (func.decompose if implicit else None)
     cross_device = name in CROSS_DEVICE
     return OpPlan(
         name=name,
@@ -89,6 +100,7 @@ def _make_plan(func) -> OpPlan:
         cross_device=cross_device,
         metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
         composite=composite,
+        implicit=implicit,
         func=func,
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
