@@ -61,6 +61,23 @@ def test_compiler_pass_failure_falls_back_to_eager_with_reason(failing_pass, mon
     assert tilewise.stats().compiles >= 1
 
 
+def test_a_device_op_on_the_compiler_thread_fails_the_compile_instead_of_hanging(monkeypatch, memory_only_cache):
+    """The compiler traces host buffers: a device tensor reaching it (a nested wrapper once did)
+    made its thread flush, waiting for the lock of the flush that waits for the compile."""
+    def touching_the_device(region):
+        (torch.ones(2, device="neuron") + 1).sum()
+        return region
+
+    monkeypatch.setattr(driver, "PASSES", (("touch", touching_the_device), *driver.PASSES))
+    x, w = torch.randn(129, 7).to("neuron"), torch.randn(7, 5).to("neuron")
+    with tilewise.engine(mode="compiled"):
+        for _ in range(2):
+            torch.testing.assert_close(step(x, w).cpu(), cpu_step(x, w))
+    reasons = [reason for (op, reason) in tilewise.stats().fallbacks if op == "<region>"]
+    assert any("the compiler met a device tensor" in r for r in reasons), tilewise.stats().report()
+    assert_pending_state_clear()
+
+
 # -- user code raises halfway through a segment ----------------------------------------------------
 def test_user_exception_mid_segment_leaves_no_pending_state():
     x, w = torch.randn(16, 8).to("neuron"), torch.randn(8, 4).to("neuron")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from typing import NamedTuple
 
@@ -23,8 +24,22 @@ from .segment import Segment
 FAILED = "failed"  # the regions cache's entry for a region the compiler failed on
 
 
+_thread_role = threading.local()
+
+
+def _mark_compiler_thread() -> None:
+    _thread_role.compiler = True
+
+
+def on_compiler_thread() -> bool:
+    """Whether this is the compiler's thread, which traces host buffers only: a device op there
+    would wait for the runtime's lock, held by the flush waiting for the compile (a hang)."""
+    return getattr(_thread_role, "compiler", False)
+
+
 def _compiler_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile",
+                                                 initializer=_mark_compiler_thread)
 
 
 _COMPILER_THREAD = _compiler_thread()

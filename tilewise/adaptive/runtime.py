@@ -22,6 +22,7 @@ import torch
 from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
+from ..errors import CompileError
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run
 from ..eager.plan import is_random, plan_of
@@ -31,7 +32,7 @@ from .analysis import NodeStep
 from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      stable_after)
-from .compiling import FAILED, Compiling, RegionCompiler
+from .compiling import FAILED, Compiling, RegionCompiler, on_compiler_thread
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -244,6 +245,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     # -- per flush ------------------------------------------------------------------------------
     def flush(self, reason: str) -> None:
+        if on_compiler_thread():  # a device tensor among a region's host buffers: a bug, not a hang
+            raise CompileError("the compiler met a device tensor where it traces host buffers")
         with self.lock:
             if self._flushing or not (self.segment.nodes or self.unfinished):
                 return
