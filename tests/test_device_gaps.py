@@ -221,6 +221,21 @@ def test_composite_ops_under_inference_mode_run_as_autograd_would_as_on_cpu(mode
         assert tilewise.stats().compiles > 0, tilewise.stats().report()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_values_computed_under_inference_mode_are_read_after_it(mode):
+    """The lazy modes compute what was recorded under inference_mode at the next flush, wherever
+    it is: writing those inference tensors' buffers outside inference_mode was refused."""
+    x = torch.randn(3, 4)
+    with tilewise.engine(mode=mode):
+        device_x = x.to("neuron")
+        with torch.inference_mode():
+            y = (device_x * 2).relu()
+            first = y[:, 0]
+        z = device_x + 1  # a normal tensor again
+    assert first.is_inference() and not z.is_inference()
+    assert torch.equal(first.cpu(), (x * 2).relu()[:, 0]) and torch.equal(z.cpu(), x + 1)
+
+
 @pytest.mark.parametrize("mode", [None, *MODES])
 def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
     """`x[cpu_index]`, `x[cpu_mask] = v`: CUDA copies host index tensors to the device; on neuron

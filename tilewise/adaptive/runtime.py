@@ -254,7 +254,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             # between, it lost the segment's nodes (their outputs never written) and left
             # _flushing set (no later flush ran).
             try:
-                with interrupts.deferred(), outside_tracers():
+                # buffers recorded under inference_mode are inference tensors, which only code
+                # inside it may write: the flush writes recorded buffers wherever it is called
+                with interrupts.deferred(), outside_tracers(), torch._C._InferenceMode(True):
                     self._flush(reason)
             finally:
                 self._collector.end()  # the segment's nodes are freed by now
