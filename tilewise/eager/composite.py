@@ -17,10 +17,9 @@ Two ways in:
   unfused cells, so the backward ops never reach the device;
 - below autograd (under `torch.inference_mode`, or a direct call of a backward op) the executor
   runs the op's composite from `COMPOSITES` on the device tensors; a lazy replay of a recorded
-  fused cell runs it on the host buffers.
-Ops with a CompositeImplicitAutograd kernel (the packed-sequence RNNs, `to`, `reshape`...) arrive
-whole under inference_mode; they run as that kernel, as autograd would run them (eager/plan.py),
-unless `COMPOSITES` has a computation of its own for them (ctc_loss.Tensor).
+  fused cell runs it on the host buffers. Under inference_mode the packed-sequence forms of the
+  RNNs arrive whole, with the CPU `batch_sizes`; they run as PyTorch's own decomposition, as do
+  the composite ops that may return a view or name a device (`reshape`, `to`: eager/plan.py).
 """
 from __future__ import annotations
 
@@ -142,6 +141,11 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._pack_padded_sequence.default: pack_padded_sequence,
     aten.record_stream.default: record_stream,
     aten.ctc_loss.Tensor: ctc_loss,
+    # Composite ops that reach the device whole when autograd is off (inference_mode) and carry the
+    # CPU `batch_sizes` of a PackedSequence: PyTorch's own decomposition (torch._decomp's where it
+    # has one, else the CompositeImplicitAutograd kernel) on the device tensors.
+    **{op: op.decompose for op in (aten.lstm.data, aten.gru.data, aten.rnn_tanh.data, aten.rnn_relu.data,
+                                   aten._pad_packed_sequence.default)},
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).

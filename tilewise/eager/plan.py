@@ -62,13 +62,59 @@ def plan_of(func) -> OpPlan:
     return plan
 
 
+def flop_formula(func) -> Callable | None:
+    """PyTorch's flop formula for the op (torch.utils.flop_counter), called as the registry's entry
+    is: `(*args, out_val=out, **kwargs)`, and remembered per shapes and arguments. The entries
+    convert their arguments to shapes with pytree (and call one another, converting again): ~30 us
+    for an addmm here, three times the rest of an eager op; a count depends on nothing else."""
+    entry = flop_registry.get(func._overloadpacket)
+    if entry is None:
+        return None
+    counts: dict = {}
+
+    def flops(*args, out_val=None, **kwargs):
+        key = (_shapes(args), _shapes(out_val), _shapes(tuple(kwargs.items())) if kwargs else None)
+        try:
+            count = counts.get(key)
+        except TypeError:  # an argument that does not hash: counted afresh
+            return entry(*args, out_val=out_val, **kwargs)
+        if count is None:
+            if len(counts) >= _FLOP_COUNTS_KEPT:
+                counts.clear()
+            count = counts[key] = entry(*args, out_val=out_val, **kwargs)
+        return count
+    return flops
+
+
+_FLOP_COUNTS_KEPT = 4096  # per op: the shapes of one program's calls, many times over
+
+
+def _shapes(value):
+    """`value` with its tensors as their shapes, its lists as tuples: a key of what a flop formula
+    reads (the arguments that are no tensors, such as a convolution's strides, are kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if type(value) is list or type(value) is tuple:
+        return tuple([_shapes(v) for v in value])
+    return value
+
+
 def _implicit(func) -> bool:
-    """Whether the op has a CompositeImplicitAutograd kernel: autograd's dispatch key runs it, so the
-    device sees the op's aten ops, except where autograd is off (torch.inference_mode), where it
-    arrives whole. Run whole on the host buffers, some go wrong (`to(neuron, dtype)` made a device
-    tensor inside a device tensor; `reshape` in a lazy mode copied a buffer not computed yet), so
-    every mode runs them as autograd would: decomposed."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    """Whether the op runs as its CompositeImplicitAutograd kernel, as autograd runs it. Such an op
+    reaches the device whole only where autograd is off (torch.inference_mode); elsewhere the
+    device sees its aten ops. Whole on the host buffers, two kinds go wrong: one that may or may
+    not return a view of its input (`reshape` copied, in a lazy mode, a buffer not computed yet)
+    and one that names a device (`to(neuron, dtype)` made a device tensor inside a device tensor).
+    A functional one (`linear`, `layer_norm`) computes the same as one host kernel, and faster."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return False
+    schema = func._schema
+    return any(ret.alias_info is not None for ret in schema.returns) or any(map(_names_device, schema.arguments))
+
+
+def _names_device(arg) -> bool:
+    kind = arg.type.getElementType() if isinstance(arg.type, torch.OptionalType) else arg.type
+    return isinstance(kind, torch.DeviceObjType)
 
 
 def _make_plan(func) -> OpPlan:
@@ -85,7 +131,7 @@ def _make_plan(func) -> OpPlan:
     ]
     mutating = any(source is not None for source in returned_writes)
     view = not mutating and any(ret.alias_info is not None for ret in schema.returns)
-    flops = flop_registry.get(func._overloadpacket)
+    flops = flop_formula(func)
     implicit = _implicit(func)
     composite = COMPOSITES.get(func) or (func.decompose if implicit else None)
     cross_device = name in CROSS_DEVICE
