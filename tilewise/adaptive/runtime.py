@@ -176,6 +176,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         segment = self.segment
         if not segment.nodes:
             segment.settings = settings
+        if not segment.inference and torch.is_inference_mode_enabled():
+            segment.inference = True
         return segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
 
     def _record_on_its_core(self, func, args, kwargs, settings: Settings):
@@ -254,9 +256,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             # between, it lost the segment's nodes (their outputs never written) and left
             # _flushing set (no later flush ran).
             try:
-                # buffers recorded under inference_mode are inference tensors, which only code
-                # inside it may write: the flush writes recorded buffers wherever it is called
-                with interrupts.deferred(), outside_tracers(), torch._C._InferenceMode(True):
+                with interrupts.deferred(), outside_tracers():
                     self._flush(reason)
             finally:
                 self._collector.end()  # the segment's nodes are freed by now
@@ -284,10 +284,13 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         while self.unfinished:
             work = self.unfinished.pop(0)
             try:
-                if work.steps is None:
-                    self._run_segment(work.segment)
-                else:
-                    self._run_steps(work.segment, work.steps)
+                # buffers recorded under inference_mode are inference tensors, which only code
+                # inside it may write; the flush that computes them may come after it
+                with torch._C._InferenceMode(work.segment.inference):
+                    if work.steps is None:
+                        self._run_segment(work.segment)
+                    else:
+                        self._run_steps(work.segment, work.steps)
             except Exception:
                 raise  # the steps computed what they could (_run_steps)
             except BaseException:
