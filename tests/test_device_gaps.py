@@ -236,6 +236,48 @@ def test_values_computed_under_inference_mode_are_read_after_it(mode):
     assert torch.equal(first.cpu(), (x * 2).relu()[:, 0]) and torch.equal(z.cpu(), x + 1)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_training_with_inference_mode_validation_matches_cpu_and_compiles(mode):
+    """Epochs of SGD steps, each followed by validation under inference_mode, the optimizer's
+    last updates and the validation in one segment: its buffers shared with the parameters were
+    inference tensors, and compiling the region that writes them failed (functionalization writes
+    a region's mutations back to its inputs, which an inference tensor refuses)."""
+    from tilewise.compiler import cache
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 3)).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+        losses = []
+        for _ in range(4):
+            model.train()
+            for i in range(0, 32, 8):
+                loss = torch.nn.functional.cross_entropy(model(x[i:i + 8].to(device)), y[i:i + 8].to(device))
+                losses.append(loss.item())  # read first: the step and what follows it are one segment
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            model.eval()
+            with torch.inference_mode():
+                losses.append(torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).item())
+        return torch.tensor(losses), [p.detach().cpu() for p in model.parameters()]
+
+    want_losses, want_parameters = run("cpu")
+    cache.clear_memory()
+    tilewise.stats().reset()
+    with tilewise.config.patch(cache_dir=None), tilewise.engine(mode=mode):
+        losses, parameters = run("neuron")
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=1e-5)
+    for got, want in zip(parameters, want_parameters):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    stats = tilewise.stats()
+    assert not [reason for op, reason in stats.fallbacks if op == "<region>"], stats.report()
+    if mode != "eager":
+        assert stats.compiles > 0 and stats.compiled_fraction > 0.7, stats.report()
+
+
 @pytest.mark.parametrize("mode", [None, *MODES])
 def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
     """`x[cpu_index]`, `x[cpu_mask] = v`: CUDA copies host index tensors to the device; on neuron

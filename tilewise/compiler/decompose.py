@@ -271,7 +271,17 @@ def _tracing_inputs(example_inputs) -> list:
     # Meta inputs would clash with CPU constants inside the graph; an uninitialised host tensor is
     # free (the OS maps its pages lazily) and the trace only reads its metadata.
     return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor)
-            and t.device.type == "meta" else t for t in example_inputs]
+            and t.device.type == "meta" else normal(t) for t in example_inputs]
+
+
+def normal(value):
+    """An inference tensor (a buffer recorded under inference_mode) as a normal tensor on its
+    memory: functionalization writes a region's mutations back to its inputs, which outside
+    inference_mode (the compiler's thread) an inference tensor refuses. Others as they are."""
+    if not isinstance(value, torch.Tensor) or not value.is_inference():
+        return value
+    with torch.inference_mode(False):
+        return value.new_empty(0).set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
 
 
 # In-place foreach ops whose scalars come as a tensor (lifted from Adam's per-step floats by the

@@ -254,7 +254,7 @@ def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode
     source = LocalSource(f"t{index}")
     if isinstance(value, torch.Tensor):
         sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
-        return fake_mode.from_tensor(value, source=source,
+        return fake_mode.from_tensor(decompose.normal(value), source=source,
                                      symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
     if type(value) is int:
         symbol = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
