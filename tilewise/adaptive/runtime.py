@@ -24,7 +24,7 @@ from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import CompileError
 from ..device.tensor import NeuronTensor, names_neuron
-from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run
+from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run, run_composite
 from ..eager.plan import is_random, plan_of
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
@@ -38,7 +38,7 @@ from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
 from .segment import OtherCore, Segment, Unrecordable
 from .stats import Stats
-from .tracer import outside_tracers
+from .tracer import Tracer, outside_tracers
 
 aten = torch.ops.aten
 ENGINE_EXITED = "engine exited"
@@ -54,6 +54,8 @@ class OpInfo(NamedTuple):
     # (func, args) -> (func, args) as recorded: a list of floats as CPU tensors (scalars.SCALAR_LISTS),
     # host index tensors uploaded (executor.INDEXING); None for most ops
     rewrite: Callable | None
+    decomposed: bool          # recorded as its aten ops (eager/plan.py, OpPlan.implicit)
+    special: bool             # rewritten or decomposed: dispatch's slow path
 
 
 class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
@@ -122,8 +124,11 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def dispatch(self, func, args, kwargs, settings: Settings):
         info = self._op_info.get(id(func))  # _info, inline: this runs for every op
-        if info is None or info.func is not func or info.rewrite is not None:
-            func, args, info = self._rewritten(func, args)
+        if info is None or info.func is not func or info.special:
+            info = self._info(func)
+            if info.decomposed:
+                return self._decomposed(func, args, kwargs, settings)
+            func, args, info = self._rewritten(info, args)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
             if settings is not self.segment.settings and self.segment.nodes:
@@ -154,19 +159,28 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     return result
             return self._eagerly(func, args, kwargs, reason)
 
-    def _rewritten(self, func, args) -> tuple:
+    def _rewritten(self, info: OpInfo, args) -> tuple:
         """The op, its arguments and its OpInfo, rewritten as the op's OpInfo.rewrite says."""
-        info = self._info(func)
+        func = info.func
         if info.rewrite is not None:
             func, args = info.rewrite(func, args)
             info = self._info(func)
         return func, args, info
 
+    def _decomposed(self, func, args, kwargs, settings: Settings):
+        """An op that reaches the device whole only where autograd is off, run as autograd runs
+        it: its aten ops, each dispatched (and recorded) under a tracer with the block's settings,
+        as the handler that called this has popped the block's own."""
+        with Tracer(self, settings):
+            return run_composite(plan_of(func), args, kwargs)
+
     def _info(self, func) -> OpInfo:
         # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
         info = self._op_info.get(id(func))
         if info is None or info.func is not func:
-            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), _rewrite_of(func))
+            rewrite, decomposed = _rewrite_of(func), plan_of(func).implicit
+            info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), rewrite, decomposed,
+                                                    rewrite is not None or decomposed)
         return info
 
     def _record(self, func, args, kwargs, settings: Settings):

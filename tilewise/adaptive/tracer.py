@@ -12,8 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from ..device import backward_errors
 from ..device.tensor import NeuronTensor, names_neuron
-from ..eager.executor import execute, run_composite
-from ..eager.plan import PLANS, plan_of
+from ..eager.executor import execute
 
 
 class Tracer(TorchDispatchMode):
@@ -33,19 +32,13 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
-            on_device = NeuronTensor in types
-            if not on_device and not names_neuron(kwargs.get("device")):
-                return func(*args, **kwargs)
-            plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
-            if plan is None or plan.func is not func:
-                plan = plan_of(func)
-            if plan.implicit:  # autograd is off: run the op as its aten ops, as autograd would
-                with self:
-                    return run_composite(plan, args, kwargs)
-            if self.lazy:
-                if on_device:
-                    return self.runtime.dispatch(func, args, kwargs, self.settings)
-                return self.runtime.create(func, args, kwargs, self.settings)
+            if NeuronTensor not in types:
+                if not names_neuron(kwargs.get("device")):
+                    return func(*args, **kwargs)
+                if self.lazy:
+                    return self.runtime.create(func, args, kwargs, self.settings)
+            elif self.lazy:
+                return self.runtime.dispatch(func, args, kwargs, self.settings)
             self.runtime.stats.ops_seen += 1
             self.runtime.stats.ops_eager += 1
             return execute(func, args, kwargs)
