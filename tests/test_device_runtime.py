@@ -435,3 +435,31 @@ def test_memory_bound_op_is_faster_on_trn3_hbm(timeline, device_spec):
         assert hbm_bytes / spec.hbm_bandwidth > (1 << 20) / (spec.vector_hz * spec.vector_elems_per_cycle)
         assert durations[spec.name] == pytest.approx(spec.launch_overhead_s + hbm_bytes / spec.hbm_bandwidth)
     assert durations["trn3"] < durations["trn2"]
+
+
+_FLOP_CALLS = {
+    "mm": (torch.ops.aten.mm.default, lambda: (torch.randn(3, 4), torch.randn(4, 5))),
+    "addmm": (torch.ops.aten.addmm.default, lambda: (torch.randn(5), torch.randn(3, 4), torch.randn(4, 5))),
+    "baddbmm": (torch.ops.aten.baddbmm.default, lambda: (torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
+    "conv stride 1": (torch.ops.aten.convolution.default,
+                      lambda: (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)),
+    "conv stride 2": (torch.ops.aten.convolution.default,
+                      lambda: (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)),
+    "conv backward, no input grad": (torch.ops.aten.convolution_backward.default,
+                                     lambda: (torch.randn(2, 4, 6, 6), torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), [4],
+                                              [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True])),
+}
+
+
+def test_remembered_flop_counts_equal_pytorchs_formulas():
+    """The executor remembers each flop count per shapes and arguments (PyTorch's formulas spend
+    ~30 us in pytree a call): every call, first or remembered, counts what the formula counts."""
+    from torch.utils.flop_counter import flop_registry
+    from tilewise.eager.plan import plan_of
+
+    for op, make in _FLOP_CALLS.values():  # the two convolutions share one op's remembered counts
+        args = make()
+        out = op(*args)
+        want = flop_registry[op._overloadpacket](*args, out_val=out)
+        assert [plan_of(op).flops(*args, out_val=out) for _ in range(2)] == [want, want]
+    assert plan_of(torch.ops.aten.add.Tensor).flops is None  # no formula: charged by elements

@@ -341,7 +341,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             sized, before = self._stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
-        # a region of views and allocations only (the unused `empty` of a decomposed batch_norm)
+        # a region of views and allocations only (an unused `empty` a composite op leaves)
         # would compile to no kernel: its nodes run as they are
         members = [m for m in (analysis.find_regions(graph, stable) if stable else [])
                    if any(nodes[i].plan.kernel for i in m)]
