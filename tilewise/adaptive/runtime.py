@@ -22,10 +22,10 @@ import torch
 from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
-from ..errors import CompileError
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run, run_composite
 from ..eager.plan import is_random, plan_of
+from ..errors import CompileError
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
