@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..device.runtime import DEVICE
+from ..host_threads import run_kernels_serially
 from . import events
 from .policy import Reason, Why, compiles_in_background, native_after_runs
 from .regions import CompiledEntry, Region, build_graph
@@ -29,6 +30,7 @@ _thread_role = threading.local()
 
 def _mark_compiler_thread() -> None:
     _thread_role.compiler = True
+    run_kernels_serially()  # its trace and smoke run must not slow the program's kernels
 
 
 def on_compiler_thread() -> bool:

@@ -29,6 +29,7 @@ from typing import BinaryIO, Callable, NamedTuple
 import torch
 
 from ..config import environment_with
+from ..host_threads import run_kernels_serially
 from .disk import warn_once
 from .serialize import NAMESPACES, graph_to_json
 from .worker import layout_of, serve_fork
@@ -181,6 +182,7 @@ class CompileProcess:
                 return  # the process is gone: the reply thread sees its end and says why
 
     def _read_replies(self, child: "_Child") -> None:
+        run_kernels_serially()  # a reply is decoded here, into the region the step will run
         replies = child.replies
         while True:
             try:

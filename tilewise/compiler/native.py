@@ -39,6 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import CompileError
+from ..host_threads import run_kernels_serially
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
 from . import vml
 from .tile_ir import Launch
@@ -472,6 +473,7 @@ def _worker() -> queue.SimpleQueue:
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
+    run_kernels_serially()
     while True:
         jobs.get().build_now()
 

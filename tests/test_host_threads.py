@@ -1,0 +1,68 @@
+"""The engine's threads run PyTorch's kernels on one core, the program's threads keep their count
+(tilewise/host_threads.py): a thread of the engine with an OpenMP team of its own made the program's
+parallel kernels wait for theirs (benchmarks/engine_threads.py: 4-5x on a 64 x 64 matmul)."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilewise
+from tilewise.adaptive.compiling import RegionCompiler
+from tilewise.compiler import native
+from tilewise.host_threads import _thread_count_setters, run_kernels_serially
+from tilewise.workloads import MLP
+
+
+def test_this_pytorch_build_has_both_thread_count_setters():
+    # the CPU wheel this project pins: were they gone, the fix would silently do nothing
+    assert len(_thread_count_setters()) == 2
+
+
+def test_a_thread_that_runs_serially_leaves_the_program_threads_count():
+    program_threads = torch.get_num_threads()
+    seen = {}
+
+    def engine_thread():
+        run_kernels_serially()
+        seen["threads"] = torch.get_num_threads()
+        seen["sum"] = torch.ones(1 << 20).sum().item()  # a kernel big enough to be parallel elsewhere
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"threads": 1, "sum": float(1 << 20)}
+    assert torch.get_num_threads() == program_threads
+
+
+def test_the_compiler_thread_runs_kernels_serially_after_a_real_compile():
+    program_threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = MLP().to("neuron")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(64, 32).to("neuron"), torch.randint(0, 10, (64,)).to("neuron")
+    with tilewise.config.patch(cache_dir=""), tilewise.engine(mode="compiled") as stats:
+        for _ in range(3):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+    assert stats.compiles >= 1
+    assert RegionCompiler.in_compiler_thread(torch.get_num_threads) == 1
+    assert torch.get_num_threads() == program_threads
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+def test_the_native_builder_thread_runs_kernels_serially():
+    seen = {}
+
+    class Probe:
+        def build_now(self):
+            seen["threads"] = torch.get_num_threads()
+            seen["done"].set()
+
+    seen["done"] = threading.Event()
+    native._worker().put(Probe())
+    assert seen["done"].wait(60)
+    assert seen["threads"] == 1

@@ -1,0 +1,49 @@
+"""The engine's own threads run PyTorch's CPU kernels on one core, leaving the program's threads as
+they were.
+
+PyTorch's CPU build parallelises kernels with GNU OpenMP (and MKL's gemm with it). OpenMP gives
+every thread that starts a parallel kernel a team of worker threads of its own, which stay parked
+while that thread lives; once a process holds more OpenMP threads than it has CPUs, libgomp stops
+spin-waiting for work in every team, and each parallel kernel of the program then waits for its
+workers to be woken. The engine's compiler thread traces and runs regions with real kernels and
+lives as long as the process: with it, a 64 x 64 matmul on the program's thread took 63-135 us
+instead of 8-11 us here (2 cores), and every op of every mode with it, the engine's replays
+included (TinyGPT's recorded region: 12-16 ms a run instead of 2.5-3.6 ms).
+
+OpenMP's and MKL's thread counts are per thread when set from the thread itself
+(`omp_set_num_threads`, `MKL_Set_Num_Threads_Local`), unlike `torch.set_num_threads`, which would
+change the program's count too. Without those functions (another build of PyTorch) nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+# the functions and the library that holds them: PyTorch's CPU kernels, whose OpenMP and MKL
+# these are (dlsym on a library searches the libraries it loaded, libgomp among them)
+SERIAL_CALLS = ("omp_set_num_threads", "MKL_Set_Num_Threads_Local")
+
+
+@functools.lru_cache(maxsize=1)
+def _thread_count_setters() -> tuple:
+    try:
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    except OSError:
+        return ()
+    setters = []
+    for name in SERIAL_CALLS:
+        function = getattr(library, name, None)
+        if function is not None:
+            function.argtypes, function.restype = (ctypes.c_int,), None
+            setters.append(function)
+    return tuple(setters)
+
+
+def run_kernels_serially() -> None:
+    """Called on an engine thread (before its first kernel): its kernels run on the thread itself,
+    with no OpenMP team of their own."""
+    for set_count in _thread_count_setters():
+        set_count(1)
