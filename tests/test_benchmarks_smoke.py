@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +34,50 @@ def test_background_compile_quick_prints_both_settings_per_workload():
                                             ("gpt", "off"), ("gpt", "on"), ("gpt", "on/off:")]
     for row in (rows[0], rows[3]):  # off: the step that compiles waits, so compiled steps follow
         assert row[6] != "-" and float(row[7]) > 0 and float(row[8]) == 0
+
+
+def _step_floor():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_floor
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return step_floor
+
+
+def test_step_floor_contenders_compute_cpu_losses():
+    """The floor is a device of its own: it counts only if its steps train as the CPU's do."""
+    step_floor = _step_floor()
+    for build in step_floor.WORKLOADS.values():
+        cpu, wrapped, neuron = build("cpu"), build("wrapped"), build("neuron")
+        for i in range(3):
+            losses = []
+            for step in (cpu, wrapped, neuron):
+                torch.manual_seed(i)  # the same dropout masks (TinyGPT) on every device
+                losses.append(step(i))
+            assert losses[1] == losses[0]
+            assert abs(losses[2] - losses[0]) <= 1e-5 * abs(losses[0])
+
+
+def test_step_floor_quick_prints_every_contender_and_compiles():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_floor.py"), "--quick"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.split()[:1] in (["mlp"], ["gpt"])]
+    step_floor = _step_floor()
+    assert len(rows) == 2 * len(step_floor.CONTENDERS)
+    for row, name in zip(rows, step_floor.CONTENDERS * 2):
+        assert name in row and re.search(r"\d+\.\d+x\s+\d+\.\d+\s+\d+\.\d+x$", row), row
+    compiles = re.search(r"compiles (\d+)", result.stdout)
+    assert compiles and int(compiles.group(1)) > 0
+
+
+def test_engine_threads_quick_prints_before_and_after_a_compile():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine_threads.py"), "--quick"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"engine compiles [1-9]", result.stdout), result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("64x64 matmul", "MLP step (CPU)"))]
+    assert len(rows) == 2
+    for row in rows:
+        assert re.search(r"\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+x$", row), row
