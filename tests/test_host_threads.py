@@ -19,8 +19,11 @@ def test_this_pytorch_build_has_both_thread_count_setters():
     assert len(_thread_count_setters()) == 2
 
 
-def test_a_thread_that_runs_serially_leaves_the_program_threads_count():
+@pytest.mark.parametrize("program_set_threads", [False, True])
+def test_a_thread_that_runs_serially_leaves_the_program_threads_count(program_set_threads):
     program_threads = torch.get_num_threads()
+    if program_set_threads:  # then ATen sets each thread's count at its first call (benchmarks do this)
+        torch.set_num_threads(program_threads)
     seen = {}
 
     def engine_thread():

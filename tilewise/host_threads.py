@@ -45,5 +45,8 @@ def _thread_count_setters() -> tuple:
 def run_kernels_serially() -> None:
     """Called on an engine thread (before its first kernel): its kernels run on the thread itself,
     with no OpenMP team of their own."""
+    # ATen sets a thread's OpenMP count at the thread's first call into it, to the program's count
+    # once the program called torch.set_num_threads: that first call comes here, not after
+    torch.get_num_threads()
     for set_count in _thread_count_setters():
         set_count(1)
