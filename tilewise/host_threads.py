@@ -22,15 +22,20 @@ import os
 
 import torch
 
-# the functions and the library that holds them: PyTorch's CPU kernels, whose OpenMP and MKL
-# these are (dlsym on a library searches the libraries it loaded, libgomp among them)
+# the functions, found in the library of PyTorch's CPU kernels, whose OpenMP and MKL these are
+# (dlsym on a library searches the libraries it loaded, libgomp among them)
 SERIAL_CALLS = ("omp_set_num_threads", "MKL_Set_Num_Threads_Local")
+
+
+def torch_cpu_library() -> str:
+    """The shared library of PyTorch's CPU kernels (which also exports MKL's functions)."""
+    return os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
 
 
 @functools.lru_cache(maxsize=1)
 def _thread_count_setters() -> tuple:
     try:
-        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        library = ctypes.CDLL(torch_cpu_library())
     except OSError:
         return ()
     setters = []

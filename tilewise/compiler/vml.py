@@ -26,6 +26,7 @@ import os
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..host_threads import torch_cpu_library
 from .c_exprs import C_TYPES
 
 aten = torch.ops.aten
@@ -51,17 +52,12 @@ def op(name: str):
 OPS = {op(name): name for name in FUNCTIONS}
 
 
-def library_path() -> str:
-    """The shared library of PyTorch's CPU kernels, which exports MKL's VML functions."""
-    return os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-
-
 @functools.lru_cache(maxsize=1)
 def available() -> frozenset[str]:
     """The functions whose MKL call gives this PyTorch's values bitwise here, checked once on
     values of every kind (normal, tiny, huge, signed zeros, infinities, NaN)."""
     try:
-        library = ctypes.CDLL(library_path())
+        library = ctypes.CDLL(torch_cpu_library())
     except OSError:
         return frozenset()
     # on real tensors, whatever traces now (a torch.compile backend compiles under a fake mode)
@@ -122,5 +118,5 @@ def link_arguments(source: str) -> tuple:
     load time where it is already loaded (its path in the library's run path)."""
     if not declarations(source):
         return ()
-    directory = os.path.dirname(library_path())
+    directory = os.path.dirname(torch_cpu_library())
     return ("-L" + directory, "-Wl,-rpath," + directory, "-ltorch_cpu")
