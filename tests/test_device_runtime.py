@@ -200,7 +200,8 @@ def test_oom_in_a_compute_op_keeps_inputs_and_accounting(small_hbm):
 
 
 def test_buffers_freed_but_not_yet_settled_change_no_usage_peak_or_fit(small_hbm):
-    """The HBM uncounts dead storages in batches (hbm.track); in use, peak and what fits stay exact."""
+    """The HBM uncounts dead storages at the next allocation (hbm.track); in use, peak and what fits
+    stay exact."""
     small_hbm.reset_peak()
     base = small_hbm.in_use
     x = torch.ones(1024, device="neuron")  # 4 KiB

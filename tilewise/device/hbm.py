@@ -4,8 +4,8 @@ A storage is counted once, however many tensors view it, and released when PyTor
 weak reference on the storage object, which PyTorch keeps alive exactly as long as the storage).
 Every op makes and frees storages, so the weak reference's callback only queues the dead reference
 (a C-level list append: no Python frame, no lock); the queue is settled before anything reads or
-checks the bytes in use, and by an allocation whenever the count could decide something (a new
-peak, an allocation past capacity).
+checks the bytes in use, and by every allocation, inline (a loop over the few storages that died
+since the last op costs less than deciding whether it is needed).
 """
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ import weakref
 import torch
 
 from ..errors import NeuronOutOfMemoryError
-
-
-# Dead storages left counted at most: settling them in batches keeps the hot path short.
-_SETTLE_BATCH = 64
 
 
 class _StorageRef(weakref.ref):
@@ -57,32 +53,36 @@ class HBM:
     def track(self, tensor: torch.Tensor) -> None:
         """Count the storage behind `tensor` if it is new; raise OOM (counting nothing) if it won't fit.
 
-        Hot path (every op's output). The storages that died are settled only when the count
-        could matter: a new peak, an allocation past capacity, or a batch of them waiting; below
-        the peak and the capacity, counting a dead storage a little longer changes no answer."""
+        Hot path (every op's output): one method, its settling inline."""
         storage = tensor.untyped_storage()
         key = storage._cdata
-        live = self._live
-        ref = live.get(key)
+        ref = self._live.get(key)
         if ref is not None and ref() is storage:
             return
         nbytes = storage.nbytes()
         # `with`, not acquire() then try: a KeyboardInterrupt that a signal handler raises as
         # acquire() returns would otherwise leave the lock held and hang the next op.
         with self._lock:
+            live, freed = self._live, self._freed
+            in_use = self._in_use
+            while freed:  # _settle, inline
+                dead = freed.pop()
+                if live.get(dead.key) is dead:  # not a newer storage that reused the address
+                    del live[dead.key]
+                    in_use -= dead.nbytes
+                    self.frees += 1
+            self._in_use = in_use
             ref = live.get(key)
             if ref is not None:
                 if ref() is storage:  # another thread (autograd's) counted it meanwhile
                     return
-                self._uncount(ref)  # a dead storage at the address this one reuses
-            in_use = self._in_use + nbytes
-            if in_use > self.peak or in_use > self.capacity or len(self._freed) > _SETTLE_BATCH:
-                self._settle()
-                in_use = self._in_use + nbytes
-                if in_use > self.capacity:
-                    raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
-                if in_use > self.peak:
-                    self.peak = in_use
+                self._uncount(ref)  # a dead storage at this address whose callback has not run
+                in_use = self._in_use
+            in_use += nbytes
+            if in_use > self.capacity:
+                raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
+            if in_use > self.peak:
+                self.peak = in_use
             ref = _StorageRef(storage, self._on_free)
             ref.key = key
             ref.nbytes = nbytes

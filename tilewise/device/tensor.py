@@ -113,11 +113,33 @@ def reduce_for_process(tensor: NeuronTensor):
 
 
 def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
-    """Make the device tensor on neuron:<core> whose HBM buffer is `data` (a host tensor). Hot
-    path: keep it lean."""
-    owner = _CORES[core]
+    """Make the device tensor on neuron:<core> whose HBM buffer is `data` (a host tensor)."""
+    _count(data, core)  # first: an OOM must leave nothing half made
+    return wrap_view(data, core)
+
+
+def wrap_output(data: torch.Tensor, core: int = 0) -> NeuronTensor:
+    """wrap() for a tensor an op's kernel has just made (the eager executor's fast path, once per
+    op): it is no view, so it has no conjugate or negative bit (only views of a conjugate do, and
+    view ops take wrap()), and it was made in the inference mode its wrapper is made in. Hot path."""
+    _count(data, core)
+    offset = data.storage_offset()
+    if offset:  # a kernel may return its result inside a larger workspace
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
+                               dtype=data.dtype, device=_CORES[core].device)
+    else:
+        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype,
+                               device=_CORES[core].device)
+    tensor._data = data
+    if core:
+        tensor._core = core
+    return tensor
+
+
+def _count(data: torch.Tensor, core: int) -> None:
+    """Count `data`'s storage on neuron:<core>, refusing what no dense device buffer can hold."""
     try:
-        owner.hbm.track(data)  # first: an OOM must leave nothing half made
+        _CORES[core].hbm.track(data)
     except (NotImplementedError, RuntimeError):
         if data.layout is torch.strided and not data.is_nested:
             raise
@@ -127,7 +149,6 @@ def wrap(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     if data.is_quantized:
         raise DeviceError("neuron tensors are dense (strided) only: cannot make a quantized tensor on "
                           "neuron; use .dequantize() first")
-    return wrap_view(data, core)
 
 
 def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int = 0) -> NeuronTensor:

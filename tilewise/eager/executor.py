@@ -12,7 +12,7 @@ import torch
 from ..device import backward_errors
 from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor, wrap
+from ..device.tensor import NeuronTensor, wrap, wrap_output
 from ..errors import DeviceError
 from . import composite
 from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
@@ -101,13 +101,14 @@ def run(func, args, kwargs):
         traffic = _Traffic()
         traffic.bytes, traffic.numel, traffic.core = read, numel, core
         return _finish(plan, host, kwargs, out, traffic, core)
-    result = wrap(out, core)
+    result = wrap_output(out, core)
     if plan.kernel:
         written = out.nbytes
         if plan.flops is not None:
             flops = work = int(plan.flops(*host, out_val=out))
         else:
-            flops, work = 0, max(out.numel(), numel)
+            work = out.numel()
+            flops, work = 0, work if work > numel else numel
         hbm_bytes = read + written
         DEVICE.cores[core].timeline.record(plan.name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, out.dtype),
                                            hbm_bytes, flops)
