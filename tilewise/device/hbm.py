@@ -4,8 +4,8 @@ A storage is counted once, however many tensors view it, and released when PyTor
 weak reference on the storage object, which PyTorch keeps alive exactly as long as the storage).
 Every op makes and frees storages, so the weak reference's callback only queues the dead reference
 (a C-level list append: no Python frame, no lock); the queue is settled before anything reads or
-checks the bytes in use, and by every allocation, inline (a loop over the few storages that died
-since the last op costs less than deciding whether it is needed).
+checks the bytes in use, and by every allocation (a loop over the few storages that died since
+the last op costs less than deciding whether it is needed).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class HBM:
     def track(self, tensor: torch.Tensor) -> None:
         """Count the storage behind `tensor` if it is new; raise OOM (counting nothing) if it won't fit.
 
-        Hot path (every op's output): one method, its settling inline."""
+        Hot path (every op's output)."""
         storage = tensor.untyped_storage()
         key = storage._cdata
         ref = self._live.get(key)
@@ -63,22 +63,14 @@ class HBM:
         # `with`, not acquire() then try: a KeyboardInterrupt that a signal handler raises as
         # acquire() returns would otherwise leave the lock held and hang the next op.
         with self._lock:
-            live, freed = self._live, self._freed
-            in_use = self._in_use
-            while freed:  # _settle, inline
-                dead = freed.pop()
-                if live.get(dead.key) is dead:  # not a newer storage that reused the address
-                    del live[dead.key]
-                    in_use -= dead.nbytes
-                    self.frees += 1
-            self._in_use = in_use
-            ref = live.get(key)
+            if self._freed:
+                self._settle()
+            ref = self._live.get(key)
             if ref is not None:
                 if ref() is storage:  # another thread (autograd's) counted it meanwhile
                     return
                 self._uncount(ref)  # a dead storage at this address whose callback has not run
-                in_use = self._in_use
-            in_use += nbytes
+            in_use = self._in_use + nbytes
             if in_use > self.capacity:
                 raise NeuronOutOfMemoryError(nbytes, self._in_use, self.capacity, self.spec_name)
             if in_use > self.peak:
@@ -86,7 +78,7 @@ class HBM:
             ref = _StorageRef(storage, self._on_free)
             ref.key = key
             ref.nbytes = nbytes
-            live[key] = ref
+            self._live[key] = ref
             self._in_use = in_use
             self.allocations += 1
 
@@ -97,11 +89,15 @@ class HBM:
 
     def _settle(self) -> None:
         """Uncount the storages that died since the last call (the caller holds the lock)."""
-        freed = self._freed
-        while freed:
+        live, freed = self._live, self._freed
+        in_use, frees = self._in_use, self.frees
+        while freed:  # _uncount, inline: every allocation runs this
             ref = freed.pop()
-            if self._live.get(ref.key) is ref:  # not a newer storage that reused the address
-                self._uncount(ref)
+            if live.get(ref.key) is ref:  # not a newer storage that reused the address
+                del live[ref.key]
+                in_use -= ref.nbytes
+                frees += 1
+        self._in_use, self.frees = in_use, frees
 
     def _uncount(self, ref: _StorageRef) -> None:
         del self._live[ref.key]

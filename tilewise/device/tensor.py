@@ -123,17 +123,7 @@ def wrap_output(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     op): it is no view, so it has no conjugate or negative bit (only views of a conjugate do, and
     view ops take wrap()), and it was made in the inference mode its wrapper is made in. Hot path."""
     _count(data, core)
-    offset = data.storage_offset()
-    if offset:  # a kernel may return its result inside a larger workspace
-        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
-                               dtype=data.dtype, device=_CORES[core].device)
-    else:
-        tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), dtype=data.dtype,
-                               device=_CORES[core].device)
-    tensor._data = data
-    if core:
-        tensor._core = core
-    return tensor
+    return _wrapper(data, core)
 
 
 def _count(data: torch.Tensor, core: int) -> None:
@@ -175,8 +165,16 @@ def wrap_view(data: torch.Tensor, core: int = 0) -> NeuronTensor:
         # and every view of a normal device tensor failed there ("Cannot set version_counter").
         with torch.inference_mode(False):
             return wrap_view(data, core)
+    tensor = _wrapper(data, core)
+    if data.is_conj() or data.is_neg():
+        _mirror_math_bits(tensor, data)
+    return tensor
+
+
+def _wrapper(data: torch.Tensor, core: int) -> NeuronTensor:
+    """The wrapper of `data` on neuron:<core>: its sizes, strides, offset and dtype."""
     offset = data.storage_offset()
-    if offset:
+    if offset:  # a view, or a kernel's result inside a larger workspace
         tensor = _make_wrapper(NeuronTensor, data.size(), strides=data.stride(), storage_offset=offset,
                                dtype=data.dtype, device=_CORES[core].device)
     else:  # every fresh buffer: one keyword fewer for PyTorch's argument parser
@@ -185,8 +183,6 @@ def wrap_view(data: torch.Tensor, core: int = 0) -> NeuronTensor:
     tensor._data = data
     if core:
         tensor._core = core
-    if data.is_conj() or data.is_neg():
-        _mirror_math_bits(tensor, data)
     return tensor
 
 

@@ -107,8 +107,8 @@ def run(func, args, kwargs):
         if plan.flops is not None:
             flops = work = int(plan.flops(*host, out_val=out))
         else:
-            work = out.numel()
-            flops, work = 0, work if work > numel else numel
+            out_numel = out.numel()
+            flops, work = 0, out_numel if out_numel > numel else numel
         hbm_bytes = read + written
         DEVICE.cores[core].timeline.record(plan.name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, out.dtype),
                                            hbm_bytes, flops)
