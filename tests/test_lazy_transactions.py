@@ -15,6 +15,7 @@ import tilewise
 from tilewise.adaptive import regions as regions_module
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.runtime import Runtime
+from tilewise.adaptive.segment import Segment
 from tilewise.device.hbm import HBM
 from tilewise.device.timeline import Timeline
 from tilewise.adaptive.regions import CompiledEntry
@@ -339,7 +340,7 @@ def _bounded(work, seconds: float = 120) -> None:
 
 @pytest.mark.parametrize("mode, function", [
     (mode, function) for function in (HBM.track, Timeline.record) for mode in ("eager", "adaptive", "compiled")
-] + [(mode, function) for function in (Runtime.dispatch, Runtime._record) for mode in ("adaptive", "compiled")])
+] + [(mode, function) for function in (Runtime.dispatch, Segment.record) for mode in ("adaptive", "compiled")])
 def test_a_keyboard_interrupt_as_any_call_of_an_ops_dispatch_returns_leaves_the_engine_working(mode, function):
     """A signal handler that raises KeyboardInterrupt (Ctrl-C, a timer) stops an op wherever a call
     returns: no lock may stay held (the next op hung) and no recorded op may be left unplannable

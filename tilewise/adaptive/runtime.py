@@ -144,7 +144,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             if reason is None:
                 try:
                     try:
-                        result = self._record(func, args, kwargs, settings)
+                        result = self.segment.record(func, args, kwargs, settings, self.meta_cache,
+                                                     self.scalar_sites)
                     except OtherCore:
                         result = self._record_on_its_core(func, args, kwargs, settings)
                 except Unrecordable as why:
@@ -183,24 +184,13 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                                                     rewrite is not None or decomposed)
         return info
 
-    def _record(self, func, args, kwargs, settings: Settings):
-        """Record the op into the segment. An empty segment takes the block's settings first, not
-        after: a KeyboardInterrupt that a signal handler raises as record() returns would leave a
-        recorded op in a segment without settings, which no flush could plan."""
-        segment = self.segment
-        if not segment.nodes:
-            segment.settings = settings
-        if not segment.inference and torch.is_inference_mode_enabled():
-            segment.inference = True
-        return segment.record(func, args, kwargs, self.meta_cache, self.scalar_sites)
-
     def _record_on_its_core(self, func, args, kwargs, settings: Settings):
         """An input is on another core than the segment's: move the segment there (flushing it)
         and record the op, or make it eager, as _enter_core decides."""
         reason = self._enter_core(args, kwargs)
         if reason is not None:
             raise Unrecordable(reason)
-        return self._record(func, args, kwargs, settings)
+        return self.segment.record(func, args, kwargs, settings, self.meta_cache, self.scalar_sites)
 
     def _eagerly(self, func, args, kwargs, reason: Reason):
         """Run an op the segment cannot take now, after flushing what was recorded before it."""

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh, wrap_view
+_inference_mode_enabled = torch.is_inference_mode_enabled
 from ..eager.plan import PLANS, OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
@@ -94,54 +95,61 @@ class Segment:
         return id(host_tensor) in self._values or \
             host_tensor.untyped_storage()._cdata in self.written_storages
 
-    def record(self, func, args, kwargs, meta_cache, scalar_sites):
+    def record(self, func, args, kwargs, settings, meta_cache, scalar_sites):
+        """Record the op; its result is the device tensors that stand for its outputs. Raises
+        Unrecordable (the segment as it was) for an op that must run eagerly.
+
+        An empty segment takes the block's settings first, not after: a KeyboardInterrupt that a
+        signal handler raises as record() returns would leave a recorded op in a segment without
+        settings, which no flush could plan. One frame for the whole op: this runs for every op."""
+        if not self.nodes:
+            self.settings = settings
+        if not self.inference and _inference_mode_enabled():
+            self.inference = True
+        plan = PLANS.get(id(func))  # plan_of, inline
+        if plan is None or plan.func is not func:
+            plan = plan_of(func)
         externals_before = len(self.externals)
         try:
-            return self._record(func, args, kwargs, meta_cache, scalar_sites)
+            node = Node()
+            node.func, node.plan, node.core = func, plan, self.core
+            node.srcs = []   # (segment node index, output index) of in-segment inputs
+            node.floats = False  # has float constants (which may change from flush to flush)
+            # Every host tensor the op reads, flattened in argument order. Python scalars are
+            # constants of the node (and of any region compiled from it): the compiler specialises on
+            # them, so a changed value is a new signature.
+            node.inputs = []
+            node.ext = []    # indices into self.externals of external inputs
+            producer_fps: list[int] = []
+            descr: list = []
+            node.args = self._host(args, descr, node, producer_fps)
+            if kwargs:
+                kw_descr: list = []
+                node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps)))
+                if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
+                    node.kwargs["device"] = torch.device("cpu")
+                node.local = (func, tuple(descr), tuple(kwargs), tuple(kw_descr)) if kw_descr else \
+                    (func, tuple(descr), tuple(kwargs))
+            else:
+                node.kwargs = {}
+                node.local = (func, tuple(descr), ())
+            # `sig`: what must match for a region to serve this node again: `local`, or without its
+            # floats once they have changed and become region inputs (`lifts`, adaptive/scalars.py)
+            node.sig, node.lifts = node.local, None
+            float_free = without_floats(node.local) if node.floats else None
+            if float_free is not None:
+                # the site: this op at this place of the segment, on these external inputs (two calls
+                # alike but for their floats, such as AdamW's two _foreach_mul_, are two sites)
+                _generalise_floats(node, (len(self.nodes), tuple(node.ext), float_free), scalar_sites)
+            # hashed once: the fingerprint and the output metadata's cache both start from it
+            sig_hash = hash(node.sig)
+            node.fp = hash((sig_hash, *producer_fps))
+            result = self._outputs(node, plan, args, kwargs, meta_cache, float_free, sig_hash)
         except Unrecordable:
             for dropped in self.externals[externals_before:]:  # keep the segment as it was
                 del self._external_ids[id(dropped)]
             del self.externals[externals_before:]
             raise
-
-    def _record(self, func, args, kwargs, meta_cache, scalar_sites):
-        plan = PLANS.get(id(func))  # plan_of, inline: this runs for every op
-        if plan is None or plan.func is not func:
-            plan = plan_of(func)
-        node = Node()
-        node.func, node.plan, node.core = func, plan, self.core
-        node.srcs = []   # (segment node index, output index) of in-segment inputs
-        node.floats = False  # has float constants (which may change from flush to flush)
-        # Every host tensor the op reads, flattened in argument order. Python scalars are
-        # constants of the node (and of any region compiled from it): the compiler specialises on
-        # them, so a changed value is a new signature.
-        node.inputs = []
-        node.ext = []    # indices into self.externals of external inputs
-        producer_fps: list[int] = []
-        descr: list = []
-        node.args = self._host(args, descr, node, producer_fps)
-        if kwargs:
-            kw_descr: list = []
-            node.kwargs = dict(zip(kwargs, self._host(kwargs.values(), kw_descr, node, producer_fps)))
-            if names_neuron(node.kwargs.get("device")):  # computed on the host buffers, like the rest
-                node.kwargs["device"] = torch.device("cpu")
-            node.local = (func, tuple(descr), tuple(kwargs), tuple(kw_descr)) if kw_descr else \
-                (func, tuple(descr), tuple(kwargs))
-        else:
-            node.kwargs = {}
-            node.local = (func, tuple(descr), ())
-        # `sig`: what must match for a region to serve this node again: `local`, or without its
-        # floats once they have changed and become region inputs (`lifts`, adaptive/scalars.py)
-        node.sig, node.lifts = node.local, None
-        float_free = without_floats(node.local) if node.floats else None
-        if float_free is not None:
-            # the site: this op at this place of the segment, on these external inputs (two calls
-            # alike but for their floats, such as AdamW's two _foreach_mul_, are two sites)
-            _generalise_floats(node, (len(self.nodes), tuple(node.ext), float_free), scalar_sites)
-        # hashed once: the fingerprint and the output metadata's cache both start from it
-        sig_hash = hash(node.sig)
-        node.fp = hash((sig_hash, *producer_fps))
-        result = self._outputs(node, plan, args, kwargs, meta_cache, float_free, sig_hash)
         index = len(self.nodes)
         self.nodes.append(node)
         if plan.mutates:
@@ -225,15 +233,22 @@ class Segment:
         if plan.view:
             node.kind = VIEW
             host_out = plan.call(*node.args, **node.kwargs)  # metadata only: no data is read
-            outs = host_out if isinstance(host_out, (tuple, list)) else (host_out,)
-            node.outs = tuple(outs)
-            node.out_meta = [_metadata(o) for o in outs]
             # a view of a device tensor shares its counted storage; of anything else, wrap() counts it
             wrapper = wrap_view if node.srcs or node.ext else wrap
-            wrapped = [wrapper(o, self.core) for o in outs]
+            root = self._root_of(node)  # every output aliases the same value
+            if isinstance(host_out, torch.Tensor):  # the common case (t, view, expand, detach...)
+                node.outs = (host_out,)
+                node.out_meta = [_metadata(host_out)]
+                wrapped = wrapper(host_out, self.core)
+                node.wrappers = (_held(wrapped),)
+                node.roots = (root,)
+                return wrapped
+            node.outs = tuple(host_out)  # split, unbind, chunk: a list or tuple of views
+            node.out_meta = [_metadata(o) for o in host_out]
+            wrapped = [wrapper(o, self.core) for o in host_out]
             node.wrappers = tuple([_held(w) for w in wrapped])
-            node.roots = (self._root_of(node),) * len(outs)  # every output aliases the same value
-            return type(host_out)(wrapped) if isinstance(host_out, (tuple, list)) else wrapped[0]
+            node.roots = (root,) * len(host_out)
+            return type(host_out)(wrapped)
         node.kind = FUNCTIONAL
         # A float's value decides no output's shape, strides or dtype (its type does), except
         # where floats are sizes: one entry serves every value, so a changing float (a schedule, a
