@@ -17,12 +17,12 @@ import weakref
 import torch
 
 from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh, wrap_view
-_inference_mode_enabled = torch.is_inference_mode_enabled
 from ..eager.plan import PLANS, OpPlan, plan_of
 from ..errors import TilewiseError
 from . import scalars
-from .policy import Reason, Why
+from .policy import Reason, Settings, Why
 
+_inference_mode_enabled = torch.is_inference_mode_enabled  # read for every recorded op
 EXTERNAL = ("x",)
 VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
 
@@ -95,7 +95,7 @@ class Segment:
         return id(host_tensor) in self._values or \
             host_tensor.untyped_storage()._cdata in self.written_storages
 
-    def record(self, func, args, kwargs, settings, meta_cache, scalar_sites):
+    def record(self, func, args, kwargs, settings: Settings, meta_cache, scalar_sites):
         """Record the op; its result is the device tensors that stand for its outputs. Raises
         Unrecordable (the segment as it was) for an op that must run eagerly.
 
