@@ -2,6 +2,8 @@
 its C is built, and after, when the C measures slower), its decomposed graph on PyTorch, and its
 native executable (the kernels' C in the decomposed graph), side by side in one process on the same
 inputs; the machine's load falls on all three (each figure is the best of 3 rounds of `--runs` calls).
+*calls recorded / native* counts the calls each graph makes per run (its call_function nodes): on
+small tensors a region's host time follows them, whatever its C does.
 
     python benchmarks/native_regions.py mlp      # also: gpt, chain, seq, readloss, cnn
 """
@@ -22,6 +24,11 @@ from tilewise.compiler import cache, native  # noqa: E402
 import run  # noqa: E402  the workloads of benchmarks/run.py
 
 BUILD_TIMEOUT = 300
+
+
+def calls(gm: torch.fx.GraphModule) -> int:
+    """The calls a graph makes per run: ops, C kernels, and the getitems that unpack their results."""
+    return sum(node.op == "call_function" for node in gm.graph.nodes)
 
 
 def region_inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
@@ -59,8 +66,8 @@ def main(argv=None) -> int:
             step(i)
     native.CHOOSE_BY_MEASUREMENT = False  # `run` is the C once built: it is what is measured here
     totals = [0.0, 0.0, 0.0]
-    print(f"{'region':<12} {'tier':<8} {'C kernels':>9} {'on PyTorch':>10} {'recorded ms':>11} {'decomposed ms':>13} "
-          f"{'native ms':>9} {'native/recorded':>15}")
+    print(f"{'region':<12} {'tier':<8} {'C kernels':>9} {'on PyTorch':>10} {'calls recorded / native':>23} "
+          f"{'recorded ms':>11} {'decomposed ms':>13} {'native ms':>9} {'native/recorded':>15}")
     for compiled in list(cache._memory.values()):
         inputs = region_inputs(compiled.gm)
         compiled.start_native()
@@ -69,9 +76,10 @@ def main(argv=None) -> int:
         recorded = compiled.source.forward if compiled.source is not None else compiled.run_torch
         times = [best_ms(fn, inputs, args.runs) for fn in (recorded, compiled.run_torch, compiled.run)]
         totals = [total + ms for total, ms in zip(totals, times)]
+        call_counts = f"{calls(compiled.source or compiled.gm)} / {calls(compiled.host_graph)}"
         print(f"{compiled.name:<12} {tier.value:<8} {len(compiled.native.kernels):>9} {len(compiled.native.refused):>10} "
-              f"{times[0]:>11.3f} {times[1]:>13.3f} {times[2]:>9.3f} {times[2] / times[0]:>14.2f}x")
-    print(f"{'all regions':<12} {'':<8} {'':>9} {'':>10} {totals[0]:>11.3f} {totals[1]:>13.3f} {totals[2]:>9.3f} "
+              f"{call_counts:>23} {times[0]:>11.3f} {times[1]:>13.3f} {times[2]:>9.3f} {times[2] / times[0]:>14.2f}x")
+    print(f"{'all regions':<12} {'':<8} {'':>9} {'':>10} {'':>23} {totals[0]:>11.3f} {totals[1]:>13.3f} {totals[2]:>9.3f} "
           f"{totals[2] / totals[0]:>14.2f}x")
     return 0
 

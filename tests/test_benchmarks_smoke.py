@@ -25,6 +25,19 @@ def test_eager_overhead_quick_prints_its_table():
         assert row.split()[-1] in ("yes", "NO")
 
 
+def test_native_regions_prints_each_regions_calls_and_times():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "native_regions.py"), "chain", "--runs", "2"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "calls recorded / native" in lines[0]
+    region = re.fullmatch(r"region\d+\s+native\s+1\s+0\s+(\d+) / (\d+)(\s+\d+\.\d+){3}\s+\d+\.\d+x", lines[1])
+    assert region, lines[1]
+    recorded, native = int(region[1]), int(region[2])
+    assert native == 2 < recorded  # the chain's ops as one C kernel call and the getitem of its result
+    assert lines[2].startswith("all regions")
+
+
 def test_background_compile_quick_prints_both_settings_per_workload():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "background_compile.py"), "--quick"],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)

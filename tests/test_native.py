@@ -47,8 +47,22 @@ def compiled_native(fn, inputs):
 
 def native_calls(compiled) -> int:
     """Kernels the running executable calls in C (named native_<kernel> in its code)."""
-    code = compiled._host.forward.__self__.code
-    return code.count("= tilewise_compiler_native_native_")
+    return compiled.host_graph.code.count("= tilewise_compiler_native_native_")
+
+
+def test_host_graph_is_the_graph_the_tier_in_use_runs():
+    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
+    x = torch.randn(64, 64)
+    compiled = compile_graph(make_fx(fn)(x), [x], spec=TRN2)
+    recorded = compiled.source or compiled.gm
+    assert compiled.host_tier is Tier.TORCH and compiled.host_graph is recorded
+    calls = lambda gm: [n.target for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+    assert len(calls(recorded)) == 3  # tanh, mul, add: the ops as issued
+    compiled.start_native()
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, compiled.native_failure
+    assert compiled.host_graph is not recorded and native_calls(compiled) == 1
+    assert [getattr(t, "__name__", "") for t in calls(compiled.host_graph)][0].startswith("native_")
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))
 
 
 def check(fn, inputs, exact: bool, kernels: int):

@@ -84,6 +84,12 @@ class CompiledRegion:
         return self._host.tier
 
     @property
+    def host_graph(self) -> torch.fx.GraphModule:
+        """The graph the host tier in use runs: the recorded graph, the decomposed one, or the
+        native executable (the decomposed graph with each C kernel's nodes as one call)."""
+        return self._host.forward.__self__
+
+    @property
     def native_failure(self) -> str:
         """Why the native build failed (empty unless the tier is FAILED)."""
         return self._host.failure
