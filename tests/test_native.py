@@ -486,9 +486,31 @@ def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
 def test_host_backend_torch_never_builds_c():
     with tilewise.config.patch(host_backend="torch"):
         compiled = compile_graph(*_traced(lambda x: x + 1, [torch.randn(3)]), spec=TRN2)
-    for _ in range(native.NATIVE_AFTER_RUNS + 1):
-        compiled.run(torch.randn(3))
-    assert compiled.wait_native(0) is Tier.TORCH
+        for _ in range(native.NATIVE_AFTER_RUNS + 1):
+            compiled.run(torch.randn(3))
+        assert compiled.wait_native(0) is Tier.TORCH
+
+
+def test_host_backend_is_the_setting_when_the_region_runs_not_when_it_compiled(monkeypatch):
+    fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
+    x = torch.randn(64, 64)
+    with tilewise.config.patch(host_backend="torch"):
+        compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
+    recorded = compiled.source or compiled.gm
+    for _ in range(native.NATIVE_AFTER_RUNS):  # native now: built as any region is, after its runs
+        torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, compiled.native_failure
+    c_calls = []
+    kernel_call = native._KernelCall.__call__
+    monkeypatch.setattr(native._KernelCall, "__call__", lambda self, *t: c_calls.append(1) or kernel_call(self, *t))
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    assert compiled.host_tier is Tier.NATIVE and native_calls(compiled) == 1 and len(c_calls) == 1
+    with tilewise.config.patch(host_backend="torch"):  # and back: the recorded graph, the C kept
+        assert compiled.host_tier is Tier.TORCH and compiled.host_graph is recorded
+        torch.testing.assert_close(compiled.run(x)[0], fn(x))
+        assert len(c_calls) == 1 and "host tier: torch" in str(compiled)
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    assert compiled.host_tier is Tier.NATIVE and len(c_calls) == 2
 
 
 def test_host_backend_setting_is_checked(monkeypatch):

@@ -140,7 +140,7 @@ SETTINGS: dict[str, Setting] = {
     "host_backend": Setting("native", "TILEWISE_HOST_BACKEND", _choice(HOST_BACKENDS),
                             "what a compiled region runs on the host: its kernels as C compiled with the "
                             "system C compiler (native; built in the background, PyTorch meanwhile) or its "
-                            "graph op by op with PyTorch's CPU kernels (torch)"),
+                            "graph op by op with PyTorch's CPU kernels (torch); read each time a region runs"),
     "background_compile": Setting("off", "TILEWISE_BACKGROUND_COMPILE", _choice(ON_OFF),
                                   "adaptive mode: on compiles regions in a compile process while the steps go "
                                   "on, their ops running eagerly until the code is ready; off: the step waits "

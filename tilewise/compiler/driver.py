@@ -81,13 +81,14 @@ class CompiledRegion:
 
     @property
     def host_tier(self) -> Tier:
-        return self._host.tier
+        """The tier the region's runs take now (TORCH while host_backend is torch, whatever was built)."""
+        return self._host.in_use[0]
 
     @property
     def host_graph(self) -> torch.fx.GraphModule:
         """The graph the host tier in use runs: the recorded graph, the decomposed one, or the
         native executable (the decomposed graph with each C kernel's nodes as one call)."""
-        return self._host.forward.__self__
+        return self._host.in_use[1].__self__
 
     @property
     def native_failure(self) -> str:
@@ -116,7 +117,7 @@ class CompiledRegion:
         return sum(launch.seconds for launch in self.cost)
 
     def __str__(self) -> str:
-        return "\n\n".join(self.passes_text + [f"# host tier: {self._host.tier.value}"])
+        return "\n\n".join(self.passes_text + [f"# host tier: {self.host_tier.value}"])
 
     def __repr__(self) -> str:
         return (f"CompiledRegion({self.name!r}, kernels={len(self.kernels)}, launches={len(self.launches)}, "

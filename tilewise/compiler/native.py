@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
+from ..config import config
 from ..errors import CompileError
 from ..host_threads import run_kernels_serially
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
@@ -366,6 +367,13 @@ class HostExecutable:
             self.destinations.buffers = ()
 
     def _run(self, inputs: tuple) -> tuple:
+        # the setting as it is now, not as it was when the region compiled (a region outlives
+        # the block that compiled it): torch runs the recorded graph, native arms the build of a
+        # region compiled under torch
+        if config.host_backend != "native":
+            return self.source_forward(*inputs)
+        if self.tier is Tier.TORCH and not self.runs_to_build and self.program is not None and self.program.kernels:
+            self.arm()
         if self.runs_to_build:
             self.runs_to_build -= 1
             if not self.runs_to_build:
@@ -382,6 +390,14 @@ class HostExecutable:
             return self.forward(*inputs)
         except IndexOutOfRange:  # the recorded graph raises PyTorch's error for it
             return self.source_forward(*inputs)
+
+    @property
+    def in_use(self) -> tuple[Tier, object]:
+        """(tier, forward) that a run now takes: the recorded graph while host_backend is torch,
+        whatever was built."""
+        if config.host_backend != "native":
+            return Tier.TORCH, self.source_forward
+        return self.tier, self.forward
 
     def settle(self, trial: "_Trial") -> None:
         """The trial is over: keep the faster executable."""
