@@ -483,6 +483,15 @@ def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
     assert host.trial is None and compiled.host_tier is Tier.SLOWER and host.forward is host.source_forward
 
 
+def test_wait_for_compiles_waits_for_the_native_builds_in_flight():
+    x = torch.randn(64, 64)
+    compiled = compile_graph(*_traced(lambda x: torch.tanh(x) * 5 - x, [x]), spec=TRN2)
+    compiled.start_native()  # a C compile takes far longer than the call below
+    assert tilewise.wait_for_compiles(BUILD_TIMEOUT)
+    assert compiled.wait_native(0) is Tier.NATIVE, compiled.native_failure
+    assert native.wait_for_builds(0)  # nothing left in flight
+
+
 def test_host_backend_torch_never_builds_c():
     with tilewise.config.patch(host_backend="torch"):
         compiled = compile_graph(*_traced(lambda x: x + 1, [torch.randn(3)]), spec=TRN2)

@@ -419,6 +419,8 @@ class HostExecutable:
         self.where = disk.location()  # the cache of the block that asked for the build
         self.tier = Tier.COMPILING
         self.ready.clear()
+        with _queue_lock:
+            _building.add(self)
         _worker().put(self)
 
     def build_now(self) -> None:
@@ -436,6 +438,8 @@ class HostExecutable:
                 self.trial = _Trial((native.forward, self.source_forward), {self.source_forward: self.recorded_best})
         finally:
             self.ready.set()
+            with _queue_lock:
+                _building.discard(self)
 
     def _fail(self, message: str) -> None:
         self.tier, self.failure = Tier.FAILED, message
@@ -476,6 +480,19 @@ class _Trial:
 
 _queue: queue.SimpleQueue | None = None
 _queue_lock = threading.Lock()
+_building: set[HostExecutable] = set()  # queued or under way
+
+
+def wait_for_builds(timeout: float | None = None) -> bool:
+    """Wait until the native builds queued or under way are done (each region switches to its C
+    at its next run); False if `timeout` seconds passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _queue_lock:
+        hosts = list(_building)
+    for host in hosts:
+        if not host.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+    return True
 
 
 def _worker() -> queue.SimpleQueue:
@@ -497,8 +514,8 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 def _after_fork_in_child() -> None:
     """A fork copies the queue but not the thread that serves it (nor a lock another thread held):
     the fork's first build starts its own."""
-    global _queue, _queue_lock
-    _queue, _queue_lock = None, threading.Lock()
+    global _queue, _queue_lock, _building
+    _queue, _queue_lock, _building = None, threading.Lock(), set()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
