@@ -25,7 +25,7 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run, run_composite
 from ..eager.plan import is_random, plan_of
-from ..errors import CompileError
+from ..errors import CompileError, NeuronOutOfMemoryError
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
@@ -44,6 +44,10 @@ aten = torch.ops.aten
 ENGINE_EXITED = "engine exited"
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
+# A segment keeps the buffer of every op it recorded until it is computed, the ones the program
+# has dropped too: where eager would have freed them, an op whose output does not fit computes
+# the segment first (which frees them) and is recorded again.
+OUT_OF_MEMORY = "device memory full of buffers the segment holds"
 
 
 class OpInfo(NamedTuple):
@@ -143,10 +147,18 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                 return self._random(func, args, kwargs, settings)
             if reason is None:
                 try:
+                    full = False
                     try:
                         result = self.segment.record(func, args, kwargs, settings, self.meta_cache,
                                                      self.scalar_sites)
                     except OtherCore:
+                        result = self._record_on_its_core(func, args, kwargs, settings)
+                    except NeuronOutOfMemoryError:
+                        if not self.segment.nodes:
+                            raise  # nothing recorded holds memory: the program's own, as eagerly
+                        full = True
+                    if full:  # after the handler: its traceback holds the segment, and so its buffers
+                        self.flush(OUT_OF_MEMORY)
                         result = self._record_on_its_core(func, args, kwargs, settings)
                 except Unrecordable as why:
                     reason = why.reason

@@ -97,7 +97,8 @@ class Segment:
 
     def record(self, func, args, kwargs, settings: Settings, meta_cache, scalar_sites):
         """Record the op; its result is the device tensors that stand for its outputs. Raises
-        Unrecordable (the segment as it was) for an op that must run eagerly.
+        Unrecordable (the segment as it was) for an op that must run eagerly, and
+        NeuronOutOfMemoryError (the segment as it was) for outputs the device's HBM cannot hold.
 
         An empty segment takes the block's settings first, not after: a KeyboardInterrupt that a
         signal handler raises as record() returns would leave a recorded op in a segment without
@@ -145,7 +146,7 @@ class Segment:
             sig_hash = hash(node.sig)
             node.fp = hash((sig_hash, *producer_fps))
             result = self._outputs(node, plan, args, kwargs, meta_cache, float_free, sig_hash)
-        except Unrecordable:
+        except BaseException:  # Unrecordable, an output HBM cannot hold, an interrupt
             for dropped in self.externals[externals_before:]:  # keep the segment as it was
                 del self._external_ids[id(dropped)]
             del self.externals[externals_before:]
