@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tilewise.compiler import cache, native
-from tilewise.compiler.native import Tier
+from tilewise.compiler import cache, tiers
+from tilewise.compiler.tiers import Tier
 
 BUILD_TIMEOUT = 120  # seconds one region's C may take to build
 
@@ -19,7 +19,7 @@ def force_native(setattr) -> None:
     """Every compile from now on builds its region's C, waits for it and keeps it; `setattr` is
     how the two patches are applied (pytest's monkeypatch.setattr, or plain setattr for a script)."""
     original = cache.compile_cached
-    setattr(native, "CHOOSE_BY_MEASUREMENT", False)  # the C runs, never traded for the recorded graph
+    setattr(tiers, "CHOOSE_BY_MEASUREMENT", False)  # the C runs, never traded for the recorded graph
 
     def compile_cached(*args, **kwargs):
         compiled = original(*args, **kwargs)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import tilewise
 from tilewise.adaptive.compiling import RegionCompiler
-from tilewise.compiler import native
+from tilewise.compiler import native, tiers
 from tilewise.host_threads import _thread_count_setters, run_kernels_serially
 from tilewise.workloads import MLP
 
@@ -66,6 +66,6 @@ def test_the_native_builder_thread_runs_kernels_serially():
             seen["done"].set()
 
     seen["done"] = threading.Event()
-    native._worker().put(Probe())
+    tiers._worker().put(Probe())
     assert seen["done"].wait(60)
     assert seen["threads"] == 1

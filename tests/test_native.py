@@ -17,9 +17,9 @@ from torch.testing._internal.common_methods_invocations import op_db
 import tilewise
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.regions import CompiledEntry
-from tilewise.compiler import cache, compile_graph, native
+from tilewise.compiler import cache, compile_graph, native, tiers
 from tilewise.compiler.codegen_c import NativeReason
-from tilewise.compiler.native import Tier
+from tilewise.compiler.tiers import Tier
 from tilewise.device.spec import TRN2
 from tilewise.errors import ConfigError
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):
     # These tests hold the C itself to CPU: once built it runs, unmeasured against the recorded graph.
-    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", False)
+    monkeypatch.setattr(tiers, "CHOOSE_BY_MEASUREMENT", False)
     cache.clear_memory()
     yield
     cache.clear_memory()
@@ -400,7 +400,7 @@ def test_a_region_runs_pytorch_until_its_c_is_built_then_switches():
     x = torch.randn(64, 64)
     with tilewise.config.patch(host_backend="native"):
         compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
-    for _ in range(native.NATIVE_AFTER_RUNS):
+    for _ in range(tiers.NATIVE_AFTER_RUNS):
         assert compiled.host_tier is Tier.TORCH
         assert torch.equal(compiled.run(x)[0], fn(x))
     assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
@@ -408,7 +408,7 @@ def test_a_region_runs_pytorch_until_its_c_is_built_then_switches():
     assert native_calls(compiled) == 1
 
 
-@pytest.mark.parametrize("mode,runs_before_build", [("adaptive", 1), ("compiled", native.NATIVE_AFTER_RUNS)])
+@pytest.mark.parametrize("mode,runs_before_build", [("adaptive", 1), ("compiled", tiers.NATIVE_AFTER_RUNS)])
 def test_an_adaptive_region_builds_its_c_at_its_first_run(mode, runs_before_build):
     """Adaptive mode compiled the region because it recurred: its C starts building at its first
     run. Compiled mode compiles at first sight: its C waits for the region to run again."""
@@ -446,7 +446,7 @@ def _native_beside_a_slow_recorded_graph(fn, x, seconds: float):
 
 
 def test_a_trial_won_by_2x_ends_as_soon_as_both_have_run(monkeypatch):
-    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
+    monkeypatch.setattr(tiers, "CHOOSE_BY_MEASUREMENT", True)
     fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
     x = torch.randn(64, 64)
     compiled, host = _native_beside_a_slow_recorded_graph(fn, x, 0.05)
@@ -457,11 +457,11 @@ def test_a_trial_won_by_2x_ends_as_soon_as_both_have_run(monkeypatch):
 
 
 def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
-    monkeypatch.setattr(native, "CHOOSE_BY_MEASUREMENT", True)
+    monkeypatch.setattr(tiers, "CHOOSE_BY_MEASUREMENT", True)
     fn = lambda x: torch.tanh(x) * 2 + x  # noqa: E731
     x = torch.randn(64, 64)
     compiled, host = _native_beside_a_slow_recorded_graph(fn, x, 0.02)
-    for _ in range(2 * native.TRIAL_RUNS):  # both contenders, in turn, with CPU's values
+    for _ in range(2 * tiers.TRIAL_RUNS):  # both contenders, in turn, with CPU's values
         torch.testing.assert_close(compiled.run(x)[0], fn(x))
     assert host.trial is None and compiled.host_tier is Tier.NATIVE and native_calls(compiled) == 1
 
@@ -478,7 +478,7 @@ def test_the_faster_executable_measured_on_the_regions_runs_stays(monkeypatch):
     host.forward = slow_c
     host.trial.contenders = (slow_c, host.source_forward)
     host.trial.best = dict.fromkeys(host.trial.contenders, float("inf"))
-    for _ in range(2 * native.TRIAL_RUNS):
+    for _ in range(2 * tiers.TRIAL_RUNS):
         torch.testing.assert_close(compiled.run(x)[0], torch.tanh(x) * 3)
     assert host.trial is None and compiled.host_tier is Tier.SLOWER and host.forward is host.source_forward
 
@@ -489,13 +489,13 @@ def test_wait_for_compiles_waits_for_the_native_builds_in_flight():
     compiled.start_native()  # a C compile takes far longer than the call below
     assert tilewise.wait_for_compiles(BUILD_TIMEOUT)
     assert compiled.wait_native(0) is Tier.NATIVE, compiled.native_failure
-    assert native.wait_for_builds(0)  # nothing left in flight
+    assert tiers.wait_for_builds(0)  # nothing left in flight
 
 
 def test_host_backend_torch_never_builds_c():
     with tilewise.config.patch(host_backend="torch"):
         compiled = compile_graph(*_traced(lambda x: x + 1, [torch.randn(3)]), spec=TRN2)
-        for _ in range(native.NATIVE_AFTER_RUNS + 1):
+        for _ in range(tiers.NATIVE_AFTER_RUNS + 1):
             compiled.run(torch.randn(3))
         assert compiled.wait_native(0) is Tier.TORCH
 
@@ -506,7 +506,7 @@ def test_host_backend_is_the_setting_when_the_region_runs_not_when_it_compiled(m
     with tilewise.config.patch(host_backend="torch"):
         compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
     recorded = compiled.source or compiled.gm
-    for _ in range(native.NATIVE_AFTER_RUNS):  # native now: built as any region is, after its runs
+    for _ in range(tiers.NATIVE_AFTER_RUNS):  # native now: built as any region is, after its runs
         torch.testing.assert_close(compiled.run(x)[0], fn(x))
     assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, compiled.native_failure
     c_calls = []

@@ -62,12 +62,12 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     """Wait until the regions compiling in the background are compiled, and the native C builds
     queued or under way are built (each is put to use at the next flush that meets it); False if
     `timeout` seconds passed first."""
-    from ..compiler import native
+    from ..compiler import tiers
     from ..compiler.background import PROCESS
     deadline = None if timeout is None else time.monotonic() + timeout
     if not PROCESS.wait_all(timeout):
         return False
-    return native.wait_for_builds(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return tiers.wait_for_builds(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def start_compile_process() -> None:

@@ -15,7 +15,8 @@ from .emit import emit
 from .interpreter import interpret
 from .lower import lower
 from .memory_plan import check_launch_limits
-from .native import HostExecutable, NativeProgram, Tier, generate
+from .native import NativeProgram, generate
+from .tiers import HostExecutable, Tier
 from .partition import partition
 from .region import Region
 from .schedule import schedule
