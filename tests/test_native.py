@@ -5,6 +5,8 @@ dtype's tolerance (libm's transcendentals, summation order). Every test asserts 
 really ran and how many kernels it ran in C."""
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 import warnings
 
@@ -17,7 +19,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 import tilewise
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.regions import CompiledEntry
-from tilewise.compiler import cache, compile_graph, native, tiers
+from tilewise.compiler import cache, compile_graph, native, tiers, vml
 from tilewise.compiler.codegen_c import NativeReason
 from tilewise.compiler.tiers import Tier
 from tilewise.device.spec import TRN2
@@ -233,6 +235,52 @@ def test_softmax_and_a_normalisation_run_in_c_within_tolerance():
     check(lambda x: (x - x.mean(-1, keepdim=True)) / torch.sqrt(((x - x.mean(-1, keepdim=True)) ** 2)
                                                                 .mean(-1, keepdim=True) + 1e-5), [x], exact=False,
           kernels=1)
+
+
+def gelu_norm(x):
+    y = 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+    mean = y.mean(-1, keepdim=True)
+    return (y - mean) / torch.sqrt(((y - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+
+
+def element_loops(source: str) -> list[list[str]]:
+    """The statements of each element loop of several statements in the C."""
+    lines, loops = source.splitlines(), []
+    for index, line in enumerate(lines):
+        if line.strip() == "#pragma GCC ivdep":
+            body = lines[index + 2:]
+            loops.append([statement.strip() for statement in body[:[s.strip() for s in body].index("}")]])
+    return loops
+
+
+def test_consecutive_element_wise_instructions_share_one_loop_and_vectorise():
+    """GELU's ten instructions of a row (the load among them) run in one loop over the row's
+    elements, not in ten passes over scratch rows; the values stay CPU's. With GCC, every such loop
+    of the chain and of AdamW's update (two stores to HBM, which GCC could not tell from the scratch
+    rows without `ivdep`) is vectorised."""
+    x = torch.randn(300, 129)
+    compiled = check(gelu_norm, [x], exact=False, kernels=1)
+    loops = element_loops(compiled.native.source)
+    gelu = next(loop for loop in loops if any("tanh(" in statement for statement in loop))
+    assert len(gelu) == 10 and "_hbm[" in gelu[0]
+    params = [torch.randn(64, 32), torch.randn(64, 32), torch.rand(64, 32), torch.randn(64, 32)]
+
+    def adamw(p, grad, v, m):
+        m = m.lerp(grad, 0.1)
+        v = v * 0.999 + grad * grad * 0.001
+        return p * 0.99 - 0.01 * m / (v.sqrt() + 1e-8), m, v
+    adam = check(adamw, params, exact=False, kernels=1)
+    found = native.compiler()
+    if found is None or "gcc" not in found[1].lower():
+        return
+    for source in (compiled.native.source, adam.native.source):
+        done = subprocess.run([found[0], *native.COMPILE_FLAGS, "-fopt-info-vec-optimized", "-x", "c", "-",
+                               "-o", os.devnull, "-lm", *vml.link_arguments(source)],
+                              input=source, capture_output=True, text=True, timeout=120)
+        vectorised = {int(line.split(":")[1]) for line in done.stderr.splitlines() if "loop vectorized" in line}
+        lines = source.splitlines()
+        fused = [number + 2 for number, line in enumerate(lines) if line.strip() == "#pragma GCC ivdep"]
+        assert fused and set(fused) <= vectorised, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fn", [
