@@ -30,6 +30,7 @@ import torch
 
 from ..config import environment_with
 from ..host_threads import run_kernels_serially
+from .bindings import meta_like
 from .disk import warn_once
 from .serialize import NAMESPACES, graph_to_json
 from .worker import layout_of, serve_fork
@@ -40,8 +41,11 @@ _BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from tilewise.
 class Job:
     """One region compiling in the compile process."""
 
-    def __init__(self, key: str, name: str):
+    def __init__(self, key: str, name: str, example_inputs=()):
         self.key, self.name = key, name
+        # the inputs' metadata (meta tensors, not the buffers: a job must not keep them alive),
+        # which the region's recorded graph is bound by (bindings.py) once adopted
+        self.example_inputs = example_inputs
         self.submitted = time.perf_counter()
         self.payload = b""        # the disk cache entry of the compiled region, once done
         self.error: str | None = None  # why the passes failed
@@ -106,7 +110,7 @@ class CompileProcess:
     def _send(self, request: dict, inputs) -> Job | None:
         storages: dict = {}
         request["inputs"] = [layout_of(value, storages) for value in inputs]
-        job = Job(request["key"], request["name"])
+        job = Job(request["key"], request["name"], [meta_like(v) if isinstance(v, torch.Tensor) else v for v in inputs])
         with self._lock:
             if self._child is None and self.broken is None:
                 self._spawn()

@@ -67,7 +67,7 @@ def compile_cached(gm, example_inputs, spec, name) -> CompiledRegion:
     if compiled is not None:
         return compiled
     with _opened_disk() as disk:
-        compiled = _from_disk(disk, key, spec, gm, name)
+        compiled = _from_disk(disk, key, spec, gm, name, example_inputs)
         if compiled is None:
             stats.compiles += 1
             compiled = compile_uncached(gm, example_inputs, spec, name)
@@ -81,14 +81,14 @@ def lookup(gm, example_inputs, spec, name) -> tuple[str, CompiledRegion | None]:
     compiled = _from_memory(key, name)
     if compiled is None:
         with _opened_disk() as disk:
-            compiled = _from_disk(disk, key, spec, gm, name)
+            compiled = _from_disk(disk, key, spec, gm, name, example_inputs)
     return key, compiled
 
 
-def adopt(key: str, payload: bytes, spec, gm, name) -> CompiledRegion:
+def adopt(key: str, payload: bytes, spec, gm, name, example_inputs=()) -> CompiledRegion:
     """The region the compile process compiled (`payload`: its entry, as a disk file holds it),
     kept in memory and on disk as a compile here would be."""
-    compiled = _decode(payload, key, spec, gm)
+    compiled = _decode(payload, key, spec, gm, example_inputs)
     if compiled is None:
         raise CompileError("the compile process sent an entry that does not decode")
     stats.compiles += 1
@@ -105,8 +105,8 @@ def _from_memory(key: str, name: str) -> CompiledRegion | None:
     return _labelled(_memory[key], name)
 
 
-def _from_disk(disk: Disk | None, key: str, spec, gm, name: str) -> CompiledRegion | None:
-    compiled = _load(disk, key, spec, gm) if disk else None
+def _from_disk(disk: Disk | None, key: str, spec, gm, name: str, example_inputs) -> CompiledRegion | None:
+    compiled = _load(disk, key, spec, gm, example_inputs) if disk else None
     if compiled is None:
         return None
     _keep_in_memory(key, compiled)
@@ -177,14 +177,14 @@ def _store(disk: Disk, key: str, payload) -> None:
     stats.disk_writes += 1
 
 
-def _load(disk: Disk, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
+def _load(disk: Disk, key: str, spec, source: torch.fx.GraphModule, example_inputs) -> CompiledRegion | None:
     """The entry for `key` if there is one that passes every check; None (recompile) otherwise.
     `source` is the graph asked for: the key says the entry compiled that very graph, whose
     recorded form the region runs until its native code is built."""
     payload = read_signed(disk, _entry_name(key), "compile cache entry", "recompiling")
     if payload is None:
         return None
-    compiled = _decode(payload, key, spec, source)
+    compiled = _decode(payload, key, spec, source, example_inputs)
     if compiled is None:
         stats.corrupt += 1
         warn_once(f"tilewise: compile cache entry {disk.path(_entry_name(key))} is corrupt, truncated, or not written with "
@@ -194,16 +194,16 @@ def _load(disk: Disk, key: str, spec, source: torch.fx.GraphModule) -> CompiledR
     return compiled
 
 
-def _decode(payload: bytes, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
+def _decode(payload: bytes, key: str, spec, source: torch.fx.GraphModule, example_inputs=()) -> CompiledRegion | None:
     """The compiled region an authenticated payload holds; None when it does not decode."""
     # Decoding makes some 10^5 short-lived containers (TinyGPT's step: 2.7 MB of JSON); with the
     # collector on, they set off whole-heap collections: 0.25-0.3 s of a 0.6-0.9 s decode, measured
     # in a training process (collector.py)
     with collector.paused():
-        return _decode_entry(payload, key, spec, source)
+        return _decode_entry(payload, key, spec, source, example_inputs)
 
 
-def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule) -> CompiledRegion | None:
+def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, example_inputs) -> CompiledRegion | None:
     try:
         entry = json.loads(payload)
         if entry["key"] != key or entry["version"] != COMPILER_VERSION:
@@ -212,7 +212,7 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule) 
         launches = [launch_from_json(launch, renamed) for launch in entry["launches"]]
         return CompiledRegion(_text(entry["name"]), gm, launches, [cost_from_json(c) for c in entry["cost"]],
                               [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
-                              float(entry["compile_seconds"]), spec, source=source_graph(source))
+                              float(entry["compile_seconds"]), spec, source=source_graph(source, example_inputs))
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None
 

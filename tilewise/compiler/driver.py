@@ -7,6 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..device.spec import DeviceSpec
+from . import bindings
 from .cost import estimate_cost
 from ..eager.composite import COMPOSITES
 from ..eager.plan import MATERIALIZED
@@ -139,22 +140,24 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
     region, texts = run_passes(gm, example_inputs, spec, name)
     compiled = CompiledRegion(name, region.gm, region.launches, region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
-                              time.perf_counter() - start, spec, region.native, source_graph(gm))
+                              time.perf_counter() - start, spec, region.native, source_graph(gm, example_inputs))
     _smoke_run(compiled, example_inputs)
     return compiled
 
 
-def source_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def source_graph(gm: torch.fx.GraphModule, example_inputs=()) -> torch.fx.GraphModule:
     """The graph as given, ready to run on host buffers: positional inputs, host factories, each
-    op as the host runs it (`_host_target`), and its outputs as the flat tuple the decomposed
-    graph returns."""
+    op as the host runs it (`_host_target`, through its Python binding where `example_inputs`
+    show the binding dispatches that op: bindings.py), and its outputs as the flat tuple the
+    decomposed graph returns."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(host_factories(flat_module(gm)).graph, {})
     graph.output(tuple(pytree.tree_leaves(out)))
     for node in graph.nodes:
         if node.op == "call_function":
             node.target = _host_target(node.target)
-    return torch.fx.GraphModule(gm, graph)
+    source = torch.fx.GraphModule(gm, graph)
+    return bindings.bound(source, example_inputs) if example_inputs else source
 
 
 def _host_target(target):

@@ -42,7 +42,7 @@ def finish(job: background.Job, gm: torch.fx.GraphModule, spec: DeviceSpec,
     """The region a done job compiled, cached as if compiled here; a CompileError if it failed."""
     if job.error is not None:
         raise CompileError(job.error)
-    return _armed(cache.adopt(job.key, job.payload, spec, gm, job.name), native_after_runs)
+    return _armed(cache.adopt(job.key, job.payload, spec, gm, job.name, job.example_inputs), native_after_runs)
 
 
 def _armed(compiled: CompiledRegion, native_after_runs: int | None) -> CompiledRegion:
