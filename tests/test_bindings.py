@@ -8,6 +8,7 @@ import types
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 import tilewise
 from tilewise.compiler import bindings, cache, driver
@@ -54,6 +55,28 @@ def test_each_node_calls_its_binding_only_where_that_dispatches_the_recorded_ove
     for got, expected in zip(bound(*ours), gm(*theirs)):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
     assert torch.equal(ours[1], theirs[1])  # mul_ wrote y alike
+
+
+def test_a_programs_torch_function_mode_neither_sees_nor_redirects_the_bound_calls():
+    """Bindings are torch functions: a program's TorchFunctionMode would see each call, and
+    `with torch.device(...)` puts its device into factories called without one; the bound graph
+    runs with torch function handling off."""
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 4)
+    ones = {"dtype": torch.float32, "device": torch.device("cpu"), "pin_memory": False}
+    gm = recorded(lambda x, graph: (graph.call_function(aten.add.Tensor, (
+        graph.call_function(aten.full.default, ([3, 4], 1.0), ones), x)),), x)
+    bound = bindings.bound(gm, [x])
+    assert targets(bound) == [torch.full, torch.add]
+    with torch.device("meta"), Counting():
+        out = bound(x)[0]
+    assert Counting.calls == 0 and out.device.type == "cpu" and torch.equal(out, 1 + x)
 
 
 def test_a_binding_that_hands_on_other_arguments_keeps_the_op():

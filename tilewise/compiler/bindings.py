@@ -17,6 +17,8 @@ calls its binding only where both handed the dispatcher the same call, and its O
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -82,7 +84,20 @@ def bound(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     graph.output(graph.graph_copy(gm.graph, copies))
     for node, binding in bindings.items():
         copies[node].target = binding
-    return torch.fx.GraphModule(gm, graph)
+    module = torch.fx.GraphModule(gm, graph)
+    module.forward = types.MethodType(_without_torch_function(module.forward), module)
+    return module
+
+
+def _without_torch_function(forward):
+    """`forward` run with `__torch_function__` off (a method of the module, as `forward` is): a
+    binding, unlike the OpOverload it stands for, is a torch function, and a program's
+    TorchFunctionMode (`with torch.device("neuron")` puts a device into factories called without
+    one) must neither see the region's host calls nor redirect them."""
+    def run(module, *inputs):
+        with torch._C.DisableTorchFunction():
+            return forward(*inputs)
+    return run
 
 
 def _checked_bindings(gm: torch.fx.GraphModule, example_inputs) -> dict:

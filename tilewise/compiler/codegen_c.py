@@ -7,13 +7,13 @@ are strided copies between HBM (the tensors' memory, strides fixed at compile ti
 buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
 instructions in program order on its rows, and consecutive element-wise instructions over the same
 elements share one loop (`ElementLoop`): an element's chain of values is computed in one go, not
-one pass over a scratch row per instruction (the 4096 x 1024 GELU chain: 11 -> 5.3 ms). Element-wise
-ops follow PyTorch's CPU semantics: scalars are cast to the op's dtype first, NaN propagates through max, min
-and relu, integers wrap (`-fwrapv`), and no multiply-add is contracted (`-ffp-contract=off`), so
-add, sub, mul and div are bitwise PyTorch's; the op expressions are in `c_exprs`. Transcendentals
-(libm) agree within the dtype's tolerance; max/min reductions are exact; float sums and means add in
-CPU's own order (`c_cascade`), so they too are bitwise CPU's; float variances and products are not
-written in C at all (CPU's order would not be kept).
+one pass over a scratch row per instruction (the 4096 x 1024 GELU chain: 11 -> 5.3 ms).
+Element-wise ops follow PyTorch's CPU semantics: scalars are cast to the op's dtype first, NaN
+propagates through max, min and relu, integers wrap (`-fwrapv`), and no multiply-add is contracted
+(`-ffp-contract=off`), so add, sub, mul and div are bitwise PyTorch's; the op expressions are in
+`c_exprs`. Transcendentals (libm) agree within the dtype's tolerance; max/min reductions are exact;
+float sums and means add in CPU's own order (`c_cascade`), so they too are bitwise CPU's; float
+variances and products are not written in C at all (CPU's order would not be kept).
 
 A kernel the emitter cannot express raises `Unsupported` with a typed reason; the caller keeps the
 PyTorch executable for it.
@@ -140,10 +140,11 @@ class KernelWriter:
         self.lines.append("  " * self.depth + text)
 
     def partition_loop(self, count: str, body) -> None:
-        """`for p < count: body` (lines, or an ElementLoop). Consecutive ones over the same partitions become one loop, each
-        statement a block of its own: an instruction reads and writes only its partition's rows, so
-        partition p runs the instructions in program order on rows that stay in L1, instead of every
-        instruction streaming a whole tile (128 x 1024 floats is 512 KB) through the cache."""
+        """`for p < count: body` (lines, or an ElementLoop). Consecutive ones over the same
+        partitions become one loop, each statement a block of its own: an instruction reads and
+        writes only its partition's rows, so partition p runs the instructions in program order on
+        rows that stay in L1, instead of every instruction streaming a whole tile (128 x 1024
+        floats is 512 KB) through the cache."""
         if not self.joins(count):
             self.flush()
             self.pending = (count, self.depth, [])
@@ -152,8 +153,9 @@ class KernelWriter:
     def element_loop(self, count: str, f_count: str, statement: str) -> None:
         """`for p < count: for f < f_count: statement`, a statement that reads and writes element f
         (or a broadcast element 0 written before the loop) of each row. Consecutive ones over the
-        same elements share one f loop: one pass over the row for the chain of them. A statement whose buffer the loop touched
-        already starts a loop of its own (a write at f must not precede a read of element 0)."""
+        same elements share one f loop: one pass over the row for the chain of them. A statement
+        whose buffer the loop touched already starts a loop of its own (a write at f must not
+        precede a read of element 0)."""
         written = statement.split("[", 1)[0]
         if self.joins(count) and self.pending[2]:
             last = self.pending[2][-1]
