@@ -299,7 +299,12 @@ def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode):
     """The usual `X[perm[i:i + batch]]` with a CPU permutation: the indices are uploaded, the
-    indexing is recorded and compiles with the step; no flush for a host tensor."""
+    indexing is recorded and compiles with the step; no flush for a host tensor.
+
+    On the recorded graph (host_backend=torch): the native tier is one ulp off CPU's on this loop
+    (test_native.py::test_a_linear_layers_native_step_on_indexed_minibatches_is_bitwise_cpus, an
+    expected failure), and whether a region's trial picks it is timing (this test failed in CI
+    when it did)."""
     torch.manual_seed(0)
     data, targets = torch.randn(64, 8), torch.randint(0, 3, (64,))
     model_cpu = torch.nn.Linear(8, 3)
@@ -309,7 +314,7 @@ def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode):
     data_dev, targets_dev = data.to("neuron"), targets.to("neuron")
     tilewise.reset_caches()
     tilewise.stats().reset()
-    with tilewise.engine(mode=mode):
+    with tilewise.config.patch(host_backend="torch"), tilewise.engine(mode=mode):
         for step in range(6):
             batch = torch.randperm(64, generator=torch.Generator().manual_seed(step))[:16]
             for m, o, x, y in ((model_cpu, opt_cpu, data, targets), (model, opt, data_dev, targets_dev)):
