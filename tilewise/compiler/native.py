@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import CompileError
+from .c_layout import output_buffer_is_contiguous
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
 from . import vml
 from .tile_ir import Launch
@@ -248,7 +249,6 @@ class _KernelCall:
 
 
 def _allocation(ref):
-    from .codegen_c import output_buffer_is_contiguous
     if output_buffer_is_contiguous(ref):
         return functools.partial(torch.empty, ref.shape, dtype=ref.dtype)
     return functools.partial(torch.empty_strided, ref.shape, ref.stride, dtype=ref.dtype)
