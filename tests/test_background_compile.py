@@ -405,3 +405,20 @@ def test_a_fork_made_after_compiles_compiles_and_builds_its_own():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["True"], out.stderr
+
+
+def test_a_program_that_compiled_in_the_background_exits_cleanly():
+    """The threads that talk to the compile process are joined at exit: the reply thread used to
+    end during the interpreter's finalisation, freeing its last job's tensors there, and the
+    process aborted ("terminate called without an active exception", exit code 134) in half the
+    runs of this TinyGPT training script; so did one whose C was being built as it exited."""
+    script = textwrap.dedent("""
+        import tilewise
+        from tilewise.workloads import train_gpt
+        train_gpt("neuron", mode="adaptive", steps=150)
+        print(tilewise.stats().background_compiles > 0)
+    """)
+    env = {**os.environ, "TILEWISE_BACKGROUND_COMPILE": "on", "TILEWISE_CACHE_DIR": "off"}
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert (out.returncode, out.stdout.split()) == (0, ["True"]), out.stderr[-2000:]

@@ -59,13 +59,7 @@ def test_the_compiler_thread_runs_kernels_serially_after_a_real_compile():
 @pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 def test_the_native_builder_thread_runs_kernels_serially():
     seen = {}
-
-    class Probe:
-        def build_now(self):
-            seen["threads"] = torch.get_num_threads()
-            seen["done"].set()
-
-    seen["done"] = threading.Event()
-    tiers._worker().put(Probe())
-    assert seen["done"].wait(60)
+    done = threading.Event()
+    tiers._submit(done, lambda: seen.setdefault("threads", torch.get_num_threads()))
+    assert done.wait(60)
     assert seen["threads"] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 import warnings
 
@@ -598,6 +599,26 @@ def test_without_a_c_compiler_the_region_keeps_pytorch_and_warns_once(monkeypatc
 
 
 # -- the disk cache --------------------------------------------------------------------------------
+
+def test_a_region_from_the_disk_cache_generates_its_c_on_the_builder_thread(tmp_path, monkeypatch):
+    """Taking a region in from the disk (or the compile process) decodes what its runs need; its C
+    is generated when the build reads it, off the step (TinyGPT's step region: 0.03-0.06 s)."""
+    fn, x = (lambda x: (x * 3 - 1) / (x - 0.5)), torch.randn(16, 16)
+    with tilewise.config.patch(cache_dir=str(tmp_path)):
+        made = compile_graph(*_traced(fn, [x]), spec=TRN2)
+        cache.clear_memory()
+        generated = []
+        monkeypatch.setattr(cache, "generate", lambda launches: generated.append(threading.current_thread())
+                            or native.generate(launches))
+        loaded = compile_graph(*_traced(fn, [x]), spec=TRN2)
+        assert loaded is not made and cache.stats.disk_hits >= 1 and not generated
+        assert torch.equal(loaded.run(x)[0], fn(x))  # the recorded graph, without the C
+        loaded.start_native()
+        assert loaded.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, loaded.native_failure
+    assert [thread.name for thread in generated] == ["tilewise-native"]
+    assert loaded.native.source == made.native.source and native_calls(loaded) == 1
+    assert torch.equal(loaded.run(x)[0], fn(x))
+
 
 def test_native_library_is_kept_on_disk_authenticated_and_a_tampered_one_is_never_loaded(tmp_path, monkeypatch):
     fn, x = (lambda x: x * 5 - 2), torch.randn(9, 9)

@@ -76,6 +76,7 @@ class CompileProcess:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []  # the two that talk to the process
         self.broken: str | None = None  # why the process is unusable; None while it is (or may be) fine
 
     def start(self) -> bool:
@@ -147,6 +148,11 @@ class CompileProcess:
         if child.wait(2) is None:
             child.kill()
             child.wait(None)
+        # the threads end now (the pipes are closed): joined while the interpreter lives, or the
+        # reply thread frees its last job's tensors during finalisation, which aborts the process
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(5)
 
     def after_fork(self) -> None:
         """In a fork of the program (a worker of its own): the threads that talk to the compile
@@ -174,8 +180,10 @@ class CompileProcess:
         # a request is larger than the pipe holds: written by a thread of its own, the step never
         # waits for the process to read it (it reads none while it imports, for seconds)
         self._requests = queue.SimpleQueue()
-        for loop, name in ((self._write_requests, "requests"), (self._read_replies, "replies")):
-            threading.Thread(target=loop, args=(self._child,), name=f"tilewise-compile-{name}", daemon=True).start()
+        self._threads = [threading.Thread(target=loop, args=(self._child,), name=f"tilewise-compile-{name}", daemon=True)
+                         for loop, name in ((self._write_requests, "requests"), (self._read_replies, "replies"))]
+        for thread in self._threads:
+            thread.start()
 
     def _write_requests(self, child: "_Child") -> None:
         while (request := self._requests.get()) is not None:

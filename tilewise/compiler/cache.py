@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,8 @@ from .cost import LaunchCost
 from .disk import (ENTRY_SUFFIX, LIBRARY_SUFFIX, Disk, Location, open_disk, read_signed, stats, warn_once,
                    write_signed)
 from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
+from .later import Later
+from .native import generate
 from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json
 
 MEMORY_ENTRIES = 256  # compiled regions kept in memory per process (least recently used evicted)
@@ -209,10 +212,11 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, 
         if entry["key"] != key or entry["version"] != COMPILER_VERSION:
             raise CompileError("entry for another key or compiler version")
         gm, renamed = graph_from_json(entry["graph"])
-        launches = [launch_from_json(launch, renamed) for launch in entry["launches"]]
-        return CompiledRegion(_text(entry["name"]), gm, launches, [cost_from_json(c) for c in entry["cost"]],
+        launches = tuple(launch_from_json(launch, renamed) for launch in entry["launches"])
+        return CompiledRegion(_text(entry["name"]), gm, launches, Later(functools.partial(generate, launches)),
+                              [cost_from_json(c) for c in entry["cost"]],
                               [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
-                              float(entry["compile_seconds"]), spec, source=source_graph(source, example_inputs))
+                              float(entry["compile_seconds"]), spec, source_graph(source, example_inputs))
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None
 

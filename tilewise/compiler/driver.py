@@ -16,7 +16,8 @@ from .emit import emit
 from .interpreter import interpret
 from .lower import lower
 from .memory_plan import check_launch_limits
-from .native import NativeProgram, generate
+from .later import Later
+from .native import NativeProgram
 from .tiers import HostExecutable, Tier
 from .partition import partition
 from .region import Region
@@ -41,23 +42,28 @@ class CompiledRegion:
     cost (one entry per launch) and the pass log.
 
     The host executable is tiered: the region's recorded graph (`source`: the ops as issued, before
-    decomposition; the decomposed `gm` where there is none) run op by op with PyTorch's CPU kernels,
-    until (with `config.host_backend == "native"`) the kernels' C, compiled in the background, takes
-    over where it measures faster."""
+    decomposition) run op by op with PyTorch's CPU kernels, until (with `config.host_backend ==
+    "native"`) the kernels' C, compiled in the background, takes over where it measures faster.
+    `native` is made when first read (a region taken from the compile process or the disk cache
+    generates its C then, on the thread that builds it)."""
 
-    def __init__(self, name: str, gm: torch.fx.GraphModule, launches, cost, refused, passes_text,
-                 compile_seconds: float, spec: DeviceSpec, native: NativeProgram | None = None,
-                 source: torch.fx.GraphModule | None = None):
+    def __init__(self, name: str, gm: torch.fx.GraphModule, launches, native: Later[NativeProgram], cost, refused,
+                 passes_text, compile_seconds: float, spec: DeviceSpec, source: torch.fx.GraphModule):
         self.name, self.gm, self.spec = name, gm, spec
         self.launches = list(launches)
         self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
+        self._native = native
         self.cost = list(cost)
         self.refused = list(refused)
         self.passes_text = list(passes_text)
         self.compile_seconds = compile_seconds
-        self.native = native if native is not None else generate(tuple(self.launches))
         self.source = source
-        self._host = HostExecutable(gm, self.native, source)
+        self._host = HostExecutable(gm, native, source)
+
+    @property
+    def native(self) -> NativeProgram:
+        """The kernels as C (the ones that stay on PyTorch, and why)."""
+        return self._native()
 
     def run(self, *inputs, out: tuple = ()) -> tuple:
         """Whole-tensor host execution; applies in-place updates of inputs like the source graph.
@@ -138,9 +144,9 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name:
 def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> CompiledRegion:
     start = time.perf_counter()
     region, texts = run_passes(gm, example_inputs, spec, name)
-    compiled = CompiledRegion(name, region.gm, region.launches, region.cost,
+    compiled = CompiledRegion(name, region.gm, region.launches, Later.made(region.native), region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
-                              time.perf_counter() - start, spec, region.native, source_graph(gm, example_inputs))
+                              time.perf_counter() - start, spec, source_graph(gm, example_inputs))
     _smoke_run(compiled, example_inputs)
     return compiled
 

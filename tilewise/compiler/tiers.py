@@ -9,6 +9,7 @@ graph, which makes more calls than the recorded one). `config.host_backend` is r
 """
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 import queue
@@ -21,6 +22,7 @@ from ..config import config
 from ..errors import CompileError
 from ..host_threads import run_kernels_serially
 from . import native
+from .later import Later
 from .native import IndexOutOfRange, NativeProgram, warn_once
 
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
@@ -47,17 +49,21 @@ class HostExecutable:
     """What `CompiledRegion.run` calls: the recorded graph until the native executable is built
     and measured faster on this region's runs.
 
+    The C is built on one background thread, and generated there too where `program` is not made
+    yet (a region taken from the compile process or the disk cache).
+
     Shared by every relabelled copy of a cached region, so one background build serves them all."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program: NativeProgram | None,
-                 source: torch.fx.GraphModule | None = None):
-        self.torch_forward = gm.forward  # the decomposed graph: the C's reference and its fallback
-        self.source_forward = (source or gm).forward
-        self.forward = self.source_forward
+    def __init__(self, gm: torch.fx.GraphModule, program: Later[NativeProgram], source: torch.fx.GraphModule):
+        self.torch_forward = gm.forward  # the decomposed graph: the C's reference
         self.gm, self.program = gm, program
+        self.source_forward = source.forward
+        self.forward = self.source_forward
+        # there is C to build unless the kernels are known to have none (`program` already made)
+        self.buildable = not program.is_made or bool(program().kernels)
         self.tier = Tier.TORCH
         self.failure = ""
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # set but while a native build is queued or under way
         self.ready.set()
         self.runs_to_build = 0  # armed: runs left before the background build starts
         self.where = None  # the disk cache a started build reads and writes (disk.Location)
@@ -90,7 +96,7 @@ class HostExecutable:
         # region compiled under torch
         if config.host_backend != "native":
             return self.source_forward(*inputs)
-        if self.tier is Tier.TORCH and not self.runs_to_build and self.program is not None and self.program.kernels:
+        if self.tier is Tier.TORCH and not self.runs_to_build and self.buildable:
             self.arm()
         if self.runs_to_build:
             self.runs_to_build -= 1
@@ -127,7 +133,7 @@ class HostExecutable:
         """Build the native executable in the background (tiered); without a C compiler, warn once
         and stay on PyTorch."""
         self.runs_to_build = 0
-        if self.tier is not Tier.TORCH or self.program is None or not self.program.kernels:
+        if self.tier is not Tier.TORCH or not self.buildable:
             return
         if native.compiler() is None:
             self._fail(f"tilewise: no C compiler ({native.C_COMPILER!r}) found; compiled regions run their PyTorch "
@@ -136,15 +142,16 @@ class HostExecutable:
         from . import disk
         self.where = disk.location()  # the cache of the block that asked for the build
         self.tier = Tier.COMPILING
-        self.ready.clear()
-        with _queue_lock:
-            _building.add(self)
-        _worker().put(self)
+        _submit(self.ready, self.build_now)
 
     def build_now(self) -> None:
         try:
-            library = native.load(self.program.source, self.where)
-            mixed = native.executable(self.gm, self.program, library, self.destinations)
+            program = self.program()
+            if not program.kernels:  # every kernel stays on PyTorch: nothing to build
+                self.buildable, self.tier = False, Tier.TORCH
+                return
+            library = native.load(program.source, self.where)
+            mixed = native.executable(self.gm, program, library, self.destinations)
         except (CompileError, OSError, AttributeError) as error:
             if native.EXITING.is_set():  # the private directory is gone with the process: nothing failed
                 return
@@ -154,10 +161,6 @@ class HostExecutable:
             self.forward, self.tier = mixed.forward, Tier.NATIVE
             if CHOOSE_BY_MEASUREMENT:
                 self.trial = _Trial((mixed.forward, self.source_forward), {self.source_forward: self.recorded_best})
-        finally:
-            self.ready.set()
-            with _queue_lock:
-                _building.discard(self)
 
     def _fail(self, message: str) -> None:
         self.tier, self.failure = Tier.FAILED, message
@@ -198,7 +201,15 @@ class _Trial:
 
 _queue: queue.SimpleQueue | None = None
 _queue_lock = threading.Lock()
-_building: set[HostExecutable] = set()  # queued or under way
+_pending: set[threading.Event] = set()  # the events of the jobs queued or under way
+
+
+def _submit(done: threading.Event, job) -> None:
+    """Queue `job` for the builder thread; `done` is clear until it has run."""
+    done.clear()
+    with _queue_lock:
+        _pending.add(done)
+    _worker().put((done, job))
 
 
 def wait_for_builds(timeout: float | None = None) -> bool:
@@ -206,9 +217,9 @@ def wait_for_builds(timeout: float | None = None) -> bool:
     at its next run); False if `timeout` seconds passed first."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with _queue_lock:
-        hosts = list(_building)
-    for host in hosts:
-        if not host.ready.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        events = list(_pending)
+    for event in events:
+        if not event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             return False
     return True
 
@@ -219,21 +230,41 @@ def _worker() -> queue.SimpleQueue:
     with _queue_lock:
         if _queue is None:
             _queue = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(_queue,), name="tilewise-native", daemon=True).start()
+            thread = threading.Thread(target=_serve, args=(_queue,), name="tilewise-native", daemon=True)
+            thread.start()
+            atexit.register(_stop, _queue, thread)
         return _queue
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     run_kernels_serially()
     while True:
-        jobs.get().build_now()
+        done, job = jobs.get()
+        try:
+            if job is None:  # _stop's: the interpreter is exiting
+                return
+            if not native.EXITING.is_set():  # else abandoned: the process ends
+                job()
+        finally:
+            with _queue_lock:
+                _pending.discard(done)
+            done.set()
+
+
+def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """At exit: the builder thread ends the job under way and takes no other. A daemon thread still
+    inside PyTorch while the interpreter finalises aborts the process ("terminate called without
+    an active exception")."""
+    native.EXITING.set()
+    jobs.put((threading.Event(), None))
+    thread.join(native.COMPILE_TIMEOUT_SECONDS)
 
 
 def _after_fork_in_child() -> None:
     """A fork copies the queue but not the thread that serves it (nor a lock another thread held):
     the fork's first build starts its own."""
-    global _queue, _queue_lock, _building
-    _queue, _queue_lock, _building = None, threading.Lock(), set()
+    global _queue, _queue_lock, _pending
+    _queue, _queue_lock, _pending = None, threading.Lock(), set()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
