@@ -571,6 +571,26 @@ def test_host_backend_is_the_setting_when_the_region_runs_not_when_it_compiled(m
     assert compiled.host_tier is Tier.NATIVE and len(c_calls) == 2
 
 
+def test_deterministic_algorithms_keep_regions_on_their_recorded_graph():
+    """Under torch.use_deterministic_algorithms(True) a region runs its recorded graph, bitwise
+    CPU's, and builds no C: which tier runs a step is timing, and softmax's C is within tolerance,
+    so two runs of a program would differ. Without it, the same region builds its C as usual."""
+    fn = lambda x: torch.softmax(x * 3, -1)  # noqa: E731
+    x = torch.randn(64, 96)
+    compiled = compile_graph(*_traced(fn, [x]), spec=TRN2)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2 * tiers.NATIVE_AFTER_RUNS):
+            assert torch.equal(compiled.run(x)[0], fn(x))
+        assert compiled.host_tier is Tier.TORCH and compiled._host.tier is Tier.TORCH  # nothing built
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for _ in range(tiers.NATIVE_AFTER_RUNS):
+        compiled.run(x)
+    assert compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE, compiled.native_failure
+    torch.testing.assert_close(compiled.run(x)[0], fn(x))
+
+
 def test_host_backend_setting_is_checked(monkeypatch):
     monkeypatch.setenv("TILEWISE_HOST_BACKEND", "cuda")
     with pytest.raises(ConfigError, match="native, torch"):

@@ -5,7 +5,7 @@ kernels: CPU's values by construction, and about a third of the nodes of the dec
 After its first runs its C (`native`) is built on one background thread; `HostExecutable` then times
 the native executable and the recorded graph on the region's own runs and keeps the faster (on
 TinyGPT's step region the recorded graph wins: the C replaces elementwise nodes of the decomposed
-graph, which makes more calls than the recorded one). `config.host_backend` is read at every run.
+graph, which makes more calls than the recorded one). `recorded_graph_only` is read at every run.
 """
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ class Tier(enum.Enum):
     SLOWER = "slower"        # native built, measured slower than the recorded graph, which runs
     FAILED = "failed"        # native could not be built (no compiler, compile error): PyTorch, warned once
 
+
+
+def recorded_graph_only() -> bool:
+    """Whether a region's run takes its recorded graph whatever was built, read at every run (a
+    region outlives the block that compiled it): with host_backend=torch, and while the program
+    asks for deterministic algorithms (`torch.use_deterministic_algorithms(True)`), as which tier
+    runs a step is decided by timing and the C's transcendentals and softmax are within the dtype's
+    tolerance of CPU's, not bitwise: two runs of a program would differ in their last bits. The
+    recorded graph is CPU's kernels, CPU's values bitwise."""
+    return config.host_backend != "native" or torch.are_deterministic_algorithms_enabled()
 
 
 class HostExecutable:
@@ -91,10 +101,7 @@ class HostExecutable:
             self.destinations.buffers = ()
 
     def _run(self, inputs: tuple) -> tuple:
-        # the setting as it is now, not as it was when the region compiled (a region outlives
-        # the block that compiled it): torch runs the recorded graph, native arms the build of a
-        # region compiled under torch
-        if config.host_backend != "native":
+        if recorded_graph_only():  # else native: it arms the build of a region compiled under torch
             return self.source_forward(*inputs)
         if self.tier is Tier.TORCH and not self.runs_to_build and self.buildable:
             self.arm()
@@ -117,9 +124,9 @@ class HostExecutable:
 
     @property
     def in_use(self) -> tuple[Tier, object]:
-        """(tier, forward) that a run now takes: the recorded graph while host_backend is torch,
+        """(tier, forward) that a run now takes: the recorded graph while `recorded_graph_only()`,
         whatever was built."""
-        if config.host_backend != "native":
+        if recorded_graph_only():
             return Tier.TORCH, self.source_forward
         return self.tier, self.forward
 
