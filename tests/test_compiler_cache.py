@@ -96,7 +96,10 @@ TRAINING = textwrap.dedent("""
     with tilewise.engine(mode="adaptive"):
         got = train("neuron")
     s, engine = cache.stats, tilewise.stats()
-    print(tilewise.config.cache_dir, s.compiles, s.disk_hits, s.disk_writes, got == expected,
+    # float32's tolerance: by default a region may run its C (within tolerance of CPU: cross_entropy's
+    # log_softmax), as the trial against its recorded graph decides, by timing
+    same = torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1.3e-6, atol=1e-5)
+    print(tilewise.config.cache_dir, s.compiles, s.disk_hits, s.disk_writes, same,
           engine.ops_compiled > 0, engine.compiles, engine.cached_compiles)
 """)
 
