@@ -640,6 +640,22 @@ def test_a_region_from_the_disk_cache_generates_its_c_on_the_builder_thread(tmp_
     assert torch.equal(loaded.run(x)[0], fn(x))
 
 
+def test_c_that_cannot_be_generated_fails_the_region_s_build_not_the_builder_thread(tmp_path, monkeypatch):
+    fn, x = (lambda x: x * 3 - 1), torch.randn(8, 8)
+    with tilewise.config.patch(cache_dir=str(tmp_path)):
+        compile_graph(*_traced(fn, [x]), spec=TRN2)
+        cache.clear_memory()
+        monkeypatch.setattr(cache, "generate", lambda launches: {}["no such kernel"])
+        loaded = compile_graph(*_traced(fn, [x]), spec=TRN2)
+        loaded.start_native()
+        with pytest.warns(RuntimeWarning, match="could not be generated"):
+            assert loaded.wait_native(BUILD_TIMEOUT) is Tier.FAILED
+            assert torch.equal(loaded.run(x)[0], fn(x))
+    assert "KeyError" in loaded.native_failure
+    other = compiled_native(lambda x: x * 5 + 2, [x])  # the builder thread goes on
+    assert torch.equal(other.run(x)[0], x * 5 + 2)
+
+
 def test_native_library_is_kept_on_disk_authenticated_and_a_tampered_one_is_never_loaded(tmp_path, monkeypatch):
     fn, x = (lambda x: x * 5 - 2), torch.randn(9, 9)
     with tilewise.config.patch(cache_dir=str(tmp_path)):

@@ -154,9 +154,14 @@ class HostExecutable:
     def build_now(self) -> None:
         try:
             program = self.program()
-            if not program.kernels:  # every kernel stays on PyTorch: nothing to build
-                self.buildable, self.tier = False, Tier.TORCH
-                return
+        except Exception as error:  # noqa: BLE001 - whatever fails, the region runs on without C
+            self._fail(f"tilewise: the region's C could not be generated ({type(error).__name__}: {error}); "
+                       f"the region keeps its PyTorch executable")
+            return
+        if not program.kernels:  # every kernel stays on PyTorch: nothing to build
+            self.buildable, self.tier = False, Tier.TORCH
+            return
+        try:
             library = native.load(program.source, self.where)
             mixed = native.executable(self.gm, program, library, self.destinations)
         except (CompileError, OSError, AttributeError) as error:
