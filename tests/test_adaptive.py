@@ -178,6 +178,20 @@ def test_dropout_masks_match_eager():
     torch.testing.assert_close(got.cpu(), expected)
 
 
+def test_a_fused_attention_kernel_without_dropout_records_and_compiles():
+    """Its op is tagged random for its dropout; with dropout_p=0 it draws nothing, so it is an
+    ordinary op: recorded, and compiled into a region with the ops around it."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(2, 2, 8, 16)
+    expected = flash(q * 2, q, q)[0] + 1
+    qn = q.to("neuron")
+    with tilewise.engine(mode="compiled"):
+        got = flash(qn * 2, qn, qn)[0] + 1
+    assert torch.equal(got.cpu(), expected)
+    stats = tilewise.stats()
+    assert stats.random_draws == 0 and stats.ops_compiled >= 3, stats.report()
+
+
 def test_views_and_inplace_through_views_stay_eager_semantics():
     base = torch.randn(6, 6)
     expected = base.clone()

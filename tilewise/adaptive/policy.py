@@ -131,8 +131,23 @@ def copies_to_host(kwargs) -> Reason | None:
     return None
 
 
-def draws_random(func, args) -> bool:
-    """Whether a random op draws numbers this call: dropout in eval mode (`train=False`) does
-    not, and is an ordinary op that records and compiles."""
-    names = [a.name for a in func._schema.arguments[:len(args)]]
-    return "train" not in names or args[names.index("train")] is not False
+def draws_random(func, args, kwargs) -> bool:
+    """Whether a random op draws numbers this call: dropout in eval mode (`train=False`) does not,
+    nor does a fused attention kernel without dropout (`dropout_p=0`: CPU's flash kernel, as SDPA
+    calls it in every forward); either is an ordinary op that records and compiles."""
+    train = _argument(func, args, kwargs, "train")
+    dropout_p = _argument(func, args, kwargs, "dropout_p")
+    return train is not False and (dropout_p is _ABSENT or dropout_p != 0)
+
+
+_ABSENT = object()
+
+
+def _argument(func, args, kwargs, name: str):
+    """The value of the op's argument `name` in this call (its default where not passed), or _ABSENT."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if position < len(args):
+                return args[position]
+            return kwargs.get(name, argument.default_value if argument.has_default_value() else _ABSENT)
+    return _ABSENT

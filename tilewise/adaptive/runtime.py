@@ -143,7 +143,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             if reason is None and (kwargs or info.random):
                 # else the segment checks its inputs' cores as it records them: one walk, not two
                 reason = copies_to_host(kwargs) or self._enter_core(args, kwargs)
-            if reason is None and info.random and draws_random(func, args):
+            if reason is None and info.random and draws_random(func, args, kwargs):
                 return self._random(func, args, kwargs, settings)
             if reason is None:
                 try:
@@ -242,7 +242,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
     def _random(self, func, args, kwargs, settings: Settings):
         """Random ops draw now, in eager's order; what they read must be computed already."""
         plan = plan_of(func)
-        pending = any(self.is_pending(t._data) for t in _device_tensors(args))
+        pending = any(self.is_pending(t._data) for t in _device_tensors((*args, *kwargs.values())))
         if func is aten.native_dropout.default and pending and _is_training_dropout(args):
             return self._dropout(*args[:2], settings)
         if pending or plan.mutates:
