@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # decompositions (e.g. softmax, layer norm, addmm as mm + add), whose rounding differs from the
 # fused CPU kernels in the last bits; a few AdamW steps carry that difference into the weights.
 FLOAT32_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+BITWISE = dict(rtol=0, atol=0)
 
 
 @dataclass

@@ -5,7 +5,8 @@ import transformers
 
 import tilewise
 
-from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, neuron_copy, train_on_cpu_and_neuron
+from .helpers import (BITWISE, FLOAT32_TOLERANCE, LAZY_MODES, MODES, assert_compiled_if_lazy, assert_same_training,
+                      neuron_copy, train_on_cpu_and_neuron)
 from .hf_models import CASES, VOCAB, batch, build, step_loss
 
 STEPS = 5  # the first step creates the AdamW state; adaptive mode compiles after 3 identical steps
@@ -35,9 +36,31 @@ def _marks(name, mode):
 @pytest.mark.parametrize("name,mode", [pytest.param(name, mode, marks=_marks(name, mode))
                                        for name in sorted(CASES) for mode in MODES])
 def test_training_matches_cpu(name, mode):
+    """Eager mode runs CPU's kernels op by op, the ones CPU picks (SDPA's flash kernel, SiLU's fused
+    backward: eager/kernel_choice.py): CPU's values bitwise. By default a lazy mode may run a
+    region's C, within float32's tolerance (the next test holds them to CPU's bits)."""
     model = build(name)
     run, reference = train_on_cpu_and_neuron(model, step_loss(name), _adamw, mode, STEPS)
-    assert_same_training(run, reference)
+    assert_same_training(run, reference, **(BITWISE if mode == "eager" else FLOAT32_TOLERANCE))
+    assert_compiled_if_lazy(mode)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+# GPT-2 and Llama: SDPA's flash kernel in their default configuration, and SiLU (Llama)
+@pytest.mark.parametrize("name,mode", [pytest.param(name, mode, marks=_marks(name, mode))
+                                       for name in ("gpt2", "llama") for mode in LAZY_MODES])
+def test_lazy_training_under_deterministic_algorithms_is_cpu_s_bitwise(name, mode, deterministic_algorithms):
+    """torch.use_deterministic_algorithms(True) keeps compiled regions on their recorded graphs:
+    the lazy modes compute CPU's values bitwise, the device running the kernels CPU picks."""
+    model = build(name)
+    run, reference = train_on_cpu_and_neuron(model, step_loss(name), _adamw, mode, STEPS)
+    assert_same_training(run, reference, **BITWISE)
     assert_compiled_if_lazy(mode)
 
 

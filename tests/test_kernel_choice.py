@@ -1,0 +1,110 @@
+"""Where PyTorch picks an op's kernel by device type, `neuron` computes what CPU's pick computes,
+bitwise, forward and backward, in every engine mode (eager/kernel_choice.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import tilewise
+
+MODES = ("eager", "adaptive", "compiled")
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """Compiled regions on their recorded graphs (CPU's kernels), whatever the C tier's timing."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _inputs(dtype, q_shape=(2, 4, 8, 16), kv_shape=(2, 4, 8, 16)):
+    torch.manual_seed(0)
+    return [torch.randn(shape, dtype=dtype, requires_grad=True) for shape in (q_shape, kv_shape, kv_shape)]
+
+
+def _attention_and_grads(q, k, v, mask, kwargs):
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return [t.detach().cpu() for t in (out, *grads)]
+
+
+def _on_neuron(tensors):
+    return [t.detach().to("neuron").requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _causal_bool_mask():
+    return torch.ones(8, 8, dtype=torch.bool).tril()
+
+
+CASES = {  # name -> (dtype, shapes, mask maker, kwargs): CPU takes its flash kernel unless noted
+    "plain": (torch.float32, {}, None, {}),
+    "causal": (torch.float32, {}, None, {"is_causal": True}),
+    "bool mask": (torch.float32, {}, _causal_bool_mask, {}),
+    "float mask": (torch.float32, {}, lambda: torch.randn(8, 8), {}),
+    "scale": (torch.float32, {}, None, {"scale": 0.3}),
+    "grouped query": (torch.float32, {"kv_shape": (2, 2, 8, 16)}, None, {"enable_gqa": True}),
+    "bfloat16 causal": (torch.bfloat16, {}, None, {"is_causal": True}),
+    "3-D, math on CPU": (torch.float32, {"q_shape": (4, 8, 16), "kv_shape": (4, 8, 16)}, None, {}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_scaled_dot_product_attention_is_cpu_s_bitwise(case, mode, deterministic_algorithms):
+    dtype, shapes, mask_maker, kwargs = CASES[case]
+    q, k, v = _inputs(dtype, **shapes)
+    mask = mask_maker() if mask_maker else None
+    expected = _attention_and_grads(q, k, v, mask, kwargs)
+    qn, kn, vn = _on_neuron((q, k, v))
+    mask_n = None if mask is None else mask.to("neuron")
+    with tilewise.engine(mode=mode, threshold=1):
+        for _ in range(2):  # adaptive compiles at the second sight
+            got = _attention_and_grads(qn, kn, vn, mask_n, kwargs)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert torch.equal(g, e)
+    if mode != "eager":
+        assert tilewise.stats().ops_compiled > 0
+
+
+def test_a_mask_that_requires_grad_takes_cpu_s_math_path_and_gets_its_gradient():
+    """CPU's flash kernel has no gradient for a mask: CPU takes the math path, and so does neuron."""
+    q, k, v = _inputs(torch.float32)
+    mask = torch.randn(8, 8, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = torch.autograd.grad(out.sum(), (q, mask))
+    qn, kn, vn, mask_n = _on_neuron((q, k, v, mask))
+    got = torch.autograd.grad(F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask_n).sum(), (qn, mask_n))
+    for g, e in zip(got, expected):
+        assert torch.equal(g.cpu(), e)
+
+
+def test_sdpa_kernel_switches_apply_on_neuron_as_on_cpu():
+    """torch.nn.attention.sdpa_kernel([MATH]) makes CPU take the math path: neuron too."""
+    q, k, v = _inputs(torch.float32)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = _attention_and_grads(q, k, v, None, {})
+        got = _attention_and_grads(*_on_neuron((q, k, v)), None, {})
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert not torch.equal(_attention_and_grads(*_on_neuron((q, k, v)), None, {})[0], expected[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation", [F.silu, F.mish])
+def test_fused_activation_backward_kernels_run_as_on_cpu(activation, mode, deterministic_algorithms):
+    """silu_backward and mish_backward have CPU kernels and a composite for other devices, which
+    neuron took (sigmoid, sub, mul...: other rounding)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, requires_grad=True)
+    expected = torch.autograd.grad(activation(x).sum(), x)[0]
+    xn = x.detach().to("neuron").requires_grad_()
+    with tilewise.engine(mode=mode, threshold=1):
+        for _ in range(2):
+            got = torch.autograd.grad(activation(xn).sum(), xn)[0].cpu()
+    assert torch.equal(got, expected)
+
+
+def test_channel_shuffle_runs_cpu_s_kernel():
+    x = torch.randn(2, 6, 3, 3)
+    assert torch.equal(F.channel_shuffle(x.to("neuron"), 3).cpu(), F.channel_shuffle(x, 3))

@@ -1,0 +1,94 @@
+"""Where PyTorch picks an op's kernel by device type, `neuron` gets the kernel CPU gets.
+
+The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
+bitwise, as long as the ops that reach it are the ones CPU runs. Two places in PyTorch send a
+PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at:
+
+- Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
+  (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
+  without a kernel of its own the composite, at the autograd key. On `neuron` they arrived as their
+  decompositions (silu_backward as sigmoid, sub, mul...), whose rounding is not the fused kernel's:
+  Hugging Face Llama's gradients (SiLU) were off CPU's by ~3e-8. A kernel registered for
+  PrivateUse1 makes the dispatcher pass them through autograd (their derivative formulas) to the
+  Python key whole, where the device runs CPU's kernel; the kernel itself is never reached there.
+- `scaled_dot_product_attention`, a CompositeImplicitAutograd kernel that asks a C++ per-device stub
+  which fused kernel to use. CPU's answers with its flash-attention kernel wherever that applies (no
+  dropout, 4-D inputs, a supported dtype and head size); the stub has no entry for PrivateUse1, so
+  `neuron` always took the math path (matmul, softmax, matmul; bf16 in float32). Hugging Face GPT-2
+  and Llama, whose default attention is SDPA, computed other values than on the CPU (bf16: the loss
+  off in its fifth digit, most gradients by bf16 ulps). The op is registered at AutogradPrivateUse1
+  with CPU's own decision: `aten._fused_sdp_choice` asked on the host buffers, which carry the device
+  tensors' metadata (its checks read metadata and the `torch.nn.attention.sdpa_kernel` switches
+  only). Where CPU takes its flash kernel the device runs that op, and autograd its backward;
+  elsewhere the op runs as its composite, as before. Under inference_mode the op reaches the
+  device whole and runs on the host buffers (eager/plan.py), where CPU's composite decides itself.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from ..device.tensor import NeuronTensor
+from ..errors import DeviceError
+
+aten = torch.ops.aten
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
+_library: torch.library.Library | None = None
+
+
+def ops_cpu_runs_whole() -> list[str]:
+    """aten ops with a CPU kernel of their own besides a CompositeImplicitAutograd kernel, read
+    from the dispatcher."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return sorted(name for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("aten::") and has_kernel(name, "CPU")
+                  and has_kernel(name, "CompositeImplicitAutograd"))
+
+
+def _unreachable(*args, **kwargs):
+    """The PrivateUse1 kernel of `ops_cpu_runs_whole()`: neuron tensors meet the Python key first."""
+    raise DeviceError("an op reached tilewise's PrivateUse1 kernel, which only routes ops to the device's "
+                      "dispatch; please report it")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                 scale=None, enable_gqa=False):
+    if _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+        return aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as CPU's composite: 0 where kept, -inf
+        keep = aten.scalar_tensor.default(0.0, dtype=query.dtype, device=attn_mask.device)
+        drop = aten.scalar_tensor.default(float("-inf"), dtype=query.dtype, device=attn_mask.device)
+        attn_mask = aten.where.self(attn_mask, keep, drop)
+    output, _ = aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return output
+
+
+def _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The SDPBackend CPU's stub picks for host tensors like these; math for anything that is not
+    a plain neuron tensor (a fake tensor while tracing, a tensor on another device: the composite
+    then raises PyTorch's own error)."""
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if not all(type(t) is NeuronTensor for t in tensors):
+        return int(SDPBackend.MATH)
+    query, key, value, attn_mask = [None if t is None else _host_like(t) for t in (query, key, value, attn_mask)]
+    return aten._fused_sdp_choice.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def _host_like(tensor: NeuronTensor) -> torch.Tensor:
+    """The host buffer, requiring grad where the device tensor does (CPU's flash kernel has no
+    gradient for a mask, so a mask that requires one takes the math path)."""
+    return tensor._data.detach().requires_grad_() if tensor.requires_grad else tensor._data
+
+
+def install() -> None:
+    """Register both; idempotent."""
+    global _library
+    if _library is not None:
+        return
+    _library = torch.library.Library("aten", "IMPL")
+    for name in ops_cpu_runs_whole():
+        _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
+    _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
