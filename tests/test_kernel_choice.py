@@ -1,5 +1,7 @@
 """Where PyTorch picks an op's kernel by device type, `neuron` computes what CPU's pick computes,
 bitwise, forward and backward, in every engine mode (eager/kernel_choice.py)."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +110,34 @@ def test_fused_activation_backward_kernels_run_as_on_cpu(activation, mode, deter
 def test_channel_shuffle_runs_cpu_s_kernel():
     x = torch.randn(2, 6, 3, 3)
     assert torch.equal(F.channel_shuffle(x.to("neuron"), 3).cpu(), F.channel_shuffle(x, 3))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("p", [0.15, 0.45, 0.5])
+def test_dropout_computes_cpu_s_values_and_gradients(p, mode, deterministic_algorithms):
+    """PyTorch sends accelerators to native_dropout (x * mask * float32(1 / (1 - p))) and CPU to
+    x * (mask / float32(1 - p)): for p = 0.15 or 0.45 every kept element was one ulp off."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(p), torch.nn.Linear(32, 4))
+    batches = [(torch.randn(64, 16), torch.randint(0, 4, (64,))) for _ in range(4)]
+
+    def train(model, device):
+        torch.manual_seed(1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(8):
+            x, y = batches[step % len(batches)]
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, [param.detach().cpu() for param in model.parameters()]
+
+    expected_losses, expected = train(copy.deepcopy(model), "cpu")
+    with tilewise.engine(mode=mode):
+        losses, got = train(copy.deepcopy(model).to("neuron"), "neuron")
+    assert losses == expected_losses
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode != "eager":
+        assert tilewise.stats().ops_compiled > 0

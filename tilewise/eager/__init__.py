@@ -1,11 +1,12 @@
 """Op-by-op execution on the simulated device; also the fallback path of the lazy modes."""
-from . import executor, factories
+from . import executor, factories, kernel_choice
 from .executor import counters, execute
 
 
 def install() -> None:
     executor.install()
     factories.install()
+    kernel_choice.install()
 
 
 __all__ = ["counters", "execute", "install"]

@@ -14,7 +14,7 @@ from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap, wrap_output
 from ..errors import DeviceError
-from . import composite, kernel_choice
+from . import composite
 from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
@@ -434,4 +434,3 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
 def install() -> None:
     NeuronTensor.__torch_dispatch__ = classmethod(_torch_dispatch)
     composite.install()
-    kernel_choice.install()

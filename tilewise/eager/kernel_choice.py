@@ -1,7 +1,7 @@
 """Where PyTorch picks an op's kernel by device type, `neuron` gets the kernel CPU gets.
 
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
-bitwise, as long as the ops that reach it are the ones CPU runs. Two places in PyTorch send a
+bitwise, as long as the ops that reach it are the ones CPU runs. Three places in PyTorch send a
 PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
@@ -22,6 +22,12 @@ PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key th
   only). Where CPU takes its flash kernel the device runs that op, and autograd its backward;
   elsewhere the op runs as its composite, as before. Under inference_mode the op reaches the
   device whole and runs on the host buffers (eager/plan.py), where CPU's composite decides itself.
+- `dropout`, a CompositeImplicitAutograd kernel that sends accelerators (PrivateUse1 included) to
+  `native_dropout` (input * mask * float32(1 / (1 - p))) and CPU to its own composite (noise =
+  bernoulli(1 - p) / float32(1 - p), input * noise). The two round differently for 15 of the 99 p
+  in 0.01..0.99 (0.15, 0.45...): every kept element one ulp off, forward and backward. Registered at
+  AutogradPrivateUse1 too, it makes CPU's noise at once (random numbers in eager's order, as the
+  lazy modes draw them) and multiplies by it, so autograd saves the noise as CPU's does.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from torch.nn.attention import SDPBackend
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
+from .executor import run
 
 aten = torch.ops.aten
 _FLASH = int(SDPBackend.FLASH_ATTENTION)
@@ -83,8 +90,19 @@ def _host_like(tensor: NeuronTensor) -> torch.Tensor:
     return tensor._data.detach().requires_grad_() if tensor.requires_grad else tensor._data
 
 
+def dropout(input, p, train):
+    if not (train and 0 < p < 1 and input.numel() > 0 and type(input) is NeuronTensor):
+        return aten.dropout.default.decompose(input, p, train)  # input itself, zeros, or a fake tensor's
+    # the noise is made now, by the device but outside the lazy modes' recording: a fresh buffer
+    # no recorded op reads, so drawing into it needs no flush (adaptive/runtime.py's dropout)
+    noise = run(aten.empty_like.default, (input,), {})
+    run(aten.bernoulli_.float, (noise, 1 - p), {})
+    run(aten.div_.Scalar, (noise, 1 - p), {})
+    return aten.mul.Tensor(input, noise)
+
+
 def install() -> None:
-    """Register both; idempotent."""
+    """Register them all; idempotent."""
     global _library
     if _library is not None:
         return
@@ -92,3 +110,4 @@ def install() -> None:
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
     _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
+    _library.impl("dropout", dropout, "AutogradPrivateUse1")
