@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
+from .helpers import (BITWISE, FLOAT32_TOLERANCE, MODES, assert_compiled_if_lazy, assert_same_training,
+                      train_on_cpu_and_neuron)
 
 STEPS = 5
 CELLS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}
@@ -39,8 +40,10 @@ def _adam(params):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cell", sorted(CELLS))
 def test_training_matches_cpu(cell, mode):
+    """Eager mode: CPU's values bitwise (the RNNs take CPU's branch: tilewise/eager/cpu_rnn.py); by
+    default a lazy mode may run a region's C, within float32's tolerance."""
     torch.manual_seed(0)
     model = SequenceClassifier(CELLS[cell])
     run, reference = train_on_cpu_and_neuron(model, _step_loss(), _adam, mode, STEPS)
-    assert_same_training(run, reference)
+    assert_same_training(run, reference, **(BITWISE if mode == "eager" else FLOAT32_TOLERANCE))
     assert_compiled_if_lazy(mode)

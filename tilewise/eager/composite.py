@@ -18,14 +18,20 @@ Two ways in:
 - below autograd (under `torch.inference_mode`, or a direct call of a backward op) the executor
   runs the op's composite from `COMPOSITES` on the device tensors; a lazy replay of a recorded
   fused cell runs it on the host buffers. Under inference_mode the packed-sequence forms of the
-  RNNs arrive whole, with the CPU `batch_sizes`; they run as PyTorch's own decomposition, as do
-  the composite ops that may return a view or name a device (`reshape`, `to`: eager/plan.py).
+  RNNs arrive whole, with the CPU `batch_sizes`; they run as CPU computes them (cpu_rnn.py), and
+  the composite ops that may return a view or name a device (`reshape`, `to`: eager/plan.py) as
+  PyTorch's own decomposition.
+
+Where autograd is on, `nn.RNN/LSTM/GRU` and `LSTMCell`/`GRUCell` take CPU's branch (cpu_rnn.py) and
+call no fused cell; the cells come here under autocast, whose policy for the device is CUDA's.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from . import cpu_rnn
 
 aten = torch.ops.aten
 
@@ -142,10 +148,13 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten.record_stream.default: record_stream,
     aten.ctc_loss.Tensor: ctc_loss,
     # Composite ops that reach the device whole when autograd is off (inference_mode) and carry the
-    # CPU `batch_sizes` of a PackedSequence: PyTorch's own decomposition (torch._decomp's where it
-    # has one, else the CompositeImplicitAutograd kernel) on the device tensors.
-    **{op: op.decompose for op in (aten.lstm.data, aten.gru.data, aten.rnn_tanh.data, aten.rnn_relu.data,
-                                   aten._pad_packed_sequence.default)},
+    # CPU `batch_sizes` of a PackedSequence: the RNNs as CPU computes them (cpu_rnn.py), and PyTorch's
+    # own CompositeImplicitAutograd kernel for the padding, on the device tensors.
+    aten.lstm.data: cpu_rnn.lstm_packed,
+    aten.gru.data: cpu_rnn.gru_packed,
+    aten.rnn_tanh.data: cpu_rnn.rnn_tanh_packed,
+    aten.rnn_relu.data: cpu_rnn.rnn_relu_packed,
+    aten._pad_packed_sequence.default: aten._pad_packed_sequence.default.decompose,
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
+from . import cpu_rnn
 from .executor import run
 
 aten = torch.ops.aten
@@ -111,3 +112,4 @@ def install() -> None:
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
     _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     _library.impl("dropout", dropout, "AutogradPrivateUse1")
+    cpu_rnn.install(_library)
