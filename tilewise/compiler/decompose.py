@@ -38,6 +38,13 @@ _FUSE_THROUGH = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_sof
                  "var_mean", "hardtanh", "mse_loss", "mse_loss_backward", "addcdiv", "addcmul",
                  "lerp", "logsumexp", "rsub", "mv", "dot", "baddbmm", "linear")
 
+# Ops whose core-ATen decomposition lays its result out otherwise than CPU's kernel, which the
+# region's later views of it rely on: CPU's flash attention returns its output in (batch, length,
+# heads, dim) memory order, the math decomposition a contiguous one, and a Llama step's region
+# failed to trace ("Cannot view a tensor with shape [2, 16, 64] and strides (64, 128, 1)"). Whole,
+# the region runs CPU's kernel for them.
+_KEPT_WHOLE = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+
 
 @functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict:
@@ -47,6 +54,8 @@ def decomposition_table() -> dict:
     for op, ours in ((aten.addcmul.default, _addcmul), (aten.addcdiv.default, _addcdiv),
                      (aten.lerp.Scalar, _lerp), (aten.lerp.Tensor, _lerp)):
         table[op] = functools.partial(ours, table[op])
+    for op in _KEPT_WHOLE:
+        table.pop(op, None)
     table = {op: _whole_for_16_bit(decomposition) for op, decomposition in table.items()}
     # ours round as CPU's kernels do: accumulate 16-bit floats in float32, round once
     table.update({aten.sum.default: _sum_all, aten.sum.dim_IntList: _sum_last_dim_first,
