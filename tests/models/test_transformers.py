@@ -76,6 +76,16 @@ def test_gpt2_training_with_the_default_cache_setting_matches_cpu(mode):
     assert_compiled_if_lazy(mode)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_compiled_training_compiles_every_region(name):
+    """Llama's attention runs CPU's flash kernel, whose decomposition laid its output out otherwise:
+    the step's region failed to compile and ran eagerly (compiled mode at 44.7% of compute ops)."""
+    run, reference = train_on_cpu_and_neuron(build(name), step_loss(name), _adamw, "compiled", STEPS)
+    assert_same_training(run, reference)
+    stats = tilewise.stats()
+    assert stats.ops_eager == 0 and stats.ops_compiled > 0, stats.report()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_gpt2_without_dropout_computes_cpu_s_loss_and_gradients(mode, deterministic_algorithms):
     """No dropout: CPU's SDPA takes its flash kernel, which neuron took the math path around (in
