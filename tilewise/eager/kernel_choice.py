@@ -1,8 +1,10 @@
 """Where PyTorch picks an op's kernel by device type, `neuron` gets the kernel CPU gets.
 
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
-bitwise, as long as the ops that reach it are the ones CPU runs. Three places in PyTorch send a
-PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at:
+bitwise, as long as the ops that reach it are the ones CPU runs. Four places in PyTorch send a
+PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at
+(found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples, Hugging
+Face models and RNNs); all four are registered by `install`:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -28,6 +30,8 @@ PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key th
   in 0.01..0.99 (0.15, 0.45...): every kept element one ulp off, forward and backward. Registered at
   AutogradPrivateUse1 too, it makes CPU's noise at once (random numbers in eager's order, as the
   lazy modes draw them) and multiplies by it, so autograd saves the noise as CPU's does.
+- the RNNs (`lstm`, `gru`, `rnn_tanh`, `rnn_relu`, their packed forms, `lstm_cell`, `gru_cell`),
+  whose composites branch on `is_cpu()`: cpu_rnn.py.
 """
 from __future__ import annotations
 
