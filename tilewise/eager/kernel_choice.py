@@ -1,10 +1,10 @@
 """Where PyTorch picks an op's kernel by device type, `neuron` gets the kernel CPU gets.
 
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
-bitwise, as long as the ops that reach it are the ones CPU runs. Four places in PyTorch send a
+bitwise, as long as the ops that reach it are the ones CPU runs. Five places in PyTorch send a
 PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at
 (found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples, Hugging
-Face models and RNNs); all four are registered by `install`:
+Face models and RNNs); all five are registered by `install`:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -32,6 +32,12 @@ Face models and RNNs); all four are registered by `install`:
   lazy modes draw them) and multiplies by it, so autograd saves the noise as CPU's does.
 - the RNNs (`lstm`, `gru`, `rnn_tanh`, `rnn_relu`, their packed forms, `lstm_cell`, `gru_cell`),
   whose composites branch on `is_cpu()`: cpu_rnn.py.
+- `linalg_svdvals` and `linalg_eigvalsh`, composites that compute the singular or eigen vectors too
+  where a gradient may be asked for, which ATen assumes of every Python tensor subclass, the
+  neuron tensor included: LAPACK then takes another path, whose values differ in their last bits
+  (`linalg.svdvals`, `eigvalsh`, `cond`, the nuclear norm). Registered at AutogradPrivateUse1,
+  they ask for the vectors where CPU does (grad mode on and the input requiring grad, or a
+  forward-mode gradient).
 """
 from __future__ import annotations
 
@@ -106,6 +112,23 @@ def dropout(input, p, train):
     return aten.mul.Tensor(input, noise)
 
 
+def linalg_svdvals(A, *, driver=None):
+    return aten._linalg_svd.default(A, False, _may_require_grad(A), driver=driver)[1]
+
+
+def linalg_eigvalsh(A, UPLO="L"):
+    return aten._linalg_eigh.default(A, UPLO, _may_require_grad(A))[0]
+
+
+def _may_require_grad(tensor) -> bool:
+    """ATen's `_may_require_fw_or_bw_grad` as it answers for a CPU tensor: its answer for any Python
+    subclass (a fake tensor's too) is yes."""
+    if type(tensor) is not NeuronTensor:
+        return True
+    return torch.is_grad_enabled() and tensor.requires_grad or \
+        torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None
+
+
 def install() -> None:
     """Register them all; idempotent."""
     global _library
@@ -116,4 +139,6 @@ def install() -> None:
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
     _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     _library.impl("dropout", dropout, "AutogradPrivateUse1")
+    _library.impl("linalg_svdvals", linalg_svdvals, "AutogradPrivateUse1")
+    _library.impl("linalg_eigvalsh", linalg_eigvalsh, "AutogradPrivateUse1")
     cpu_rnn.install(_library)
