@@ -6,8 +6,8 @@ oneDNN's layer kernel (`mkldnn_rnn_layer`) where oneDNN applies; any other devic
 input step by step and calls the fused cells (eager/composite.py). The results differ in their
 last bits (~1e-6), forward and backward. These functions, registered at AutogradPrivateUse1 for
 the RNNs (packed sequences too) and the LSTM and GRU cells, are CPU's branch in aten ops: the same
-ops on the same values, so the device computes CPU's outputs and gradients bitwise. PyTorch's own decompositions (torch._decomp) follow
-CPU's order too but drop the dropout between layers.
+ops on the same values, so the device computes CPU's outputs and gradients bitwise. PyTorch's own
+decompositions (torch._decomp) follow CPU's order too but drop the dropout between layers.
 """
 from __future__ import annotations
 
@@ -91,20 +91,33 @@ def _layer(step_cell, x, hidden, cells, bidirectional: bool):
     return output, [forward_hidden, backward_hidden]
 
 
+def _cells(params, num_layers: int, bidirectional: bool, has_biases: bool, has_projections: bool) -> list:
+    """One _Cell per layer and direction, in ATen's order (layer by layer, forward first)."""
+    per_cell = len(params) // (num_layers * (2 if bidirectional else 1))
+    return [_Cell(params[i:i + per_cell], has_biases, has_projections) for i in range(0, len(params), per_cell)]
+
+
+def _layers(layer, x, hidden: list, cells: list, num_layers: int, dropout, train, bidirectional: bool):
+    """ATen's _rnn_impl on the CPU: `layer(x, hidden, cells)` per layer, CPU's dropout between
+    layers: (output, final hidden state per layer and direction)."""
+    directions = 2 if bidirectional else 1
+    finals = []
+    for index in range(0, num_layers * directions, directions):
+        here = slice(index, index + directions)
+        x, layer_finals = layer(x, hidden[here], cells[here])
+        finals += layer_finals
+        if dropout != 0 and train and index + directions < num_layers * directions:
+            x = aten.dropout.default(x, dropout, True)
+    return x, finals
+
+
 def _stack(step_cell, x, hidden: list, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
            has_projections=False):
-    """ATen's _rnn_impl on the CPU: (output, final hidden state per layer and direction)."""
-    directions = 2 if bidirectional else 1
-    per_cell = len(params) // (num_layers * directions)
-    cells = [_Cell(params[i:i + per_cell], has_biases, has_projections) for i in range(0, len(params), per_cell)]
+    """An unpacked sequence (batch first or not) through the layers."""
+    cells = _cells(params, num_layers, bidirectional, has_biases, has_projections)
     x = aten.transpose.int(x, 0, 1) if batch_first else x
-    finals = []
-    for layer in range(num_layers):
-        here = slice(layer * directions, (layer + 1) * directions)
-        x, layer_finals = _layer(step_cell, x, hidden[here], cells[here], bidirectional)
-        finals += layer_finals
-        if dropout != 0 and train and layer < num_layers - 1:
-            x = aten.dropout.default(x, dropout, True)
+    x, finals = _layers(lambda x, hidden, cells: _layer(step_cell, x, hidden, cells, bidirectional), x, hidden,
+                        cells, num_layers, dropout, train, bidirectional)
     return (aten.transpose.int(x, 0, 1) if batch_first else x), finals
 
 
@@ -153,26 +166,22 @@ def _packed_reverse(step_cell, data, batch_sizes: list, hidden_in, cell):
     return aten.cat.default(outputs[::-1], 0), hidden
 
 
+def _packed_layer(step_cell, data, sizes: list, hidden, cells):
+    """ATen's PackedBidirectionalLayer (or PackedLayer) on the CPU."""
+    output, final = _packed_forward(step_cell, data, sizes, hidden[0], cells[0])
+    if len(cells) == 1:
+        return output, [final]
+    backward, backward_final = _packed_reverse(step_cell, data, sizes, hidden[1], cells[1])
+    return aten.cat.default([output, backward], -1), [final, backward_final]
+
+
 def _packed_stack(step_cell, data, batch_sizes, hidden: list, params, has_biases, num_layers, dropout, train,
                   bidirectional, has_projections=False):
-    """ATen's _rnn_impl over a PackedSequence on the CPU: (output data, final hidden per layer and direction)."""
-    directions = 2 if bidirectional else 1
-    per_cell = len(params) // (num_layers * directions)
-    cells = [_Cell(params[i:i + per_cell], has_biases, has_projections) for i in range(0, len(params), per_cell)]
+    """A PackedSequence's data (and its CPU batch sizes) through the layers."""
+    cells = _cells(params, num_layers, bidirectional, has_biases, has_projections)
     sizes = batch_sizes.tolist()
-    finals = []
-    for layer in range(num_layers):
-        index = layer * directions
-        output, final = _packed_forward(step_cell, data, sizes, hidden[index], cells[index])
-        finals.append(final)
-        if bidirectional:
-            backward, final = _packed_reverse(step_cell, data, sizes, hidden[index + 1], cells[index + 1])
-            output = aten.cat.default([output, backward], -1)
-            finals.append(final)
-        data = output
-        if dropout != 0 and train and layer < num_layers - 1:
-            data = aten.dropout.default(data, dropout, True)
-    return data, finals
+    return _layers(lambda x, hidden, cells: _packed_layer(step_cell, x, sizes, hidden, cells), data, hidden, cells,
+                   num_layers, dropout, train, bidirectional)
 
 
 def _composite(op, *args):
@@ -232,29 +241,26 @@ rnn_relu_packed = _one_state(aten.rnn_relu.data, _relu_cell, packed=True)
 
 def _onednn_lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """CPU's mkldnn_rnn: oneDNN's LSTM layer kernel per layer and direction."""
-    directions = 2 if bidirectional else 1
-    per_cell = 4 if has_biases else 2
     x = (aten.transpose.int(input, 0, 1) if batch_first else input).contiguous()
     h0, c0 = hx[0].contiguous(), hx[1].contiguous()
-    hy, cy = [], []
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            index = layer * directions + direction
-            weights = params[index * per_cell:(index + 1) * per_cell]
-            if not has_biases:
-                weights = [*weights, aten.zeros_like.default(weights[0]), aten.zeros_like.default(weights[1])]
-            out, h, c, _ = aten.mkldnn_rnn_layer.default(
-                x, *weights, aten.select.int(h0, 0, index), aten.select.int(c0, 0, index), direction > 0, [],
-                _LSTM_MODE, hx[0].shape[2], num_layers, has_biases, bidirectional, batch_first, train)
+    hidden = list(zip(aten.unbind.int(h0), aten.unbind.int(c0)))
+
+    def layer(x, hidden, cells):
+        outputs, finals = [], []
+        for direction, ((h, c), cell) in enumerate(zip(hidden, cells)):
+            # without biases CPU passes zeros shaped as the weights; the kernel reads none
+            b_ih, b_hh = (cell.b_ih, cell.b_hh) if has_biases else \
+                (aten.zeros_like.default(cell.w_ih), aten.zeros_like.default(cell.w_hh))
+            out, hy, cy, _ = aten.mkldnn_rnn_layer.default(
+                x, cell.w_ih, cell.w_hh, b_ih, b_hh, h, c, direction > 0, [], _LSTM_MODE, hx[0].shape[2],
+                num_layers, has_biases, bidirectional, batch_first, train)
             outputs.append(out)
-            hy.append(h)
-            cy.append(c)
-        x = outputs[0] if directions == 1 else aten.cat.default(outputs, -1)
-        if dropout != 0 and train and layer < num_layers - 1:
-            x = aten.dropout.default(x, dropout, True)
-    output = aten.transpose.int(x, 0, 1) if batch_first else x
-    return output, aten.stack.default(hy, 0), aten.stack.default(cy, 0)
+            finals.append((hy, cy))
+        return (outputs[0] if len(outputs) == 1 else aten.cat.default(outputs, -1)), finals
+
+    cells = _cells(params, num_layers, bidirectional, has_biases, False)
+    x, finals = _layers(layer, x, hidden, cells, num_layers, dropout, train, bidirectional)
+    return _lstm_result(aten.transpose.int(x, 0, 1) if batch_first else x, finals)
 
 
 def lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
