@@ -25,11 +25,6 @@ TOLERANCES: dict[str, tuple] = {
         "native tier: where CPU's flash kernel does not apply (a broadcast 3-D query, dropout) the op "
         "is its math composite, whose softmax a region's C computes within float32's tolerance (the "
         "sweep's compiled grad samples: up to 2.4e-5 apart); eager and the recorded graphs are bitwise")),
-    **{name: (1e-4, 1.6e-4, (
-        "device-dependent algorithm: with chunking_method='auto' some bfloat16 samples differ from "
-        "CPU by 1-2 bf16 ulps (CPU against CPU is bitwise stable)"))
-       for name in ("nn.functional.linear_cross_entropy.chunked",
-                    "nn.functional.linear_cross_entropy.chunked_none")},
 }
 
 # Ops whose results are uninitialised memory: only shape and dtype are comparable.

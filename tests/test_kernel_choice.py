@@ -171,3 +171,29 @@ def test_spectral_values_are_cpu_s_with_and_without_gradients(name, mode):
     assert torch.equal(got_grad, expected_grad)
     if mode == "compiled":  # adaptive mode runs a block seen once as it warms up
         assert tilewise.stats().ops_compiled > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_linear_cross_entropy_resolves_auto_options_as_on_cpu(dtype, reduction, mode, deterministic_algorithms):
+    """CPU accumulates 16-bit logits in float32 ("auto" on CPU), a device without an entry of its
+    own in the 16-bit dtype: neuron's loss was off CPU's by up to 0.125 (bfloat16, no reduction)."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 24, dtype=dtype), torch.randn(50, 24, dtype=dtype)
+    target = torch.randint(0, 50, (37,))
+    options = LinearCrossEntropyOptions()
+
+    def loss_and_grads(x, w, target):
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = F.linear_cross_entropy(x, w, target, reduction=reduction, options=options)
+        return [t.detach().cpu() for t in (loss, *torch.autograd.grad(loss.sum(), (x, w)))]
+
+    expected = loss_and_grads(x, w, target)
+    with tilewise.engine(mode=mode):
+        got = loss_and_grads(x.to("neuron"), w.to("neuron"), target.to("neuron"))
+        compiled = tilewise.stats().ops_compiled
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode == "compiled":
+        assert compiled > 0

@@ -2,9 +2,10 @@
 
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
 bitwise, as long as the ops that reach it are the ones CPU runs. Five places in PyTorch send a
-PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at
-(found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples, Hugging
-Face models and RNNs); all five are registered by `install`:
+PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at,
+and a sixth picks an algorithm by device type in Python (found by comparing the ops and values CPU
+and neuron give for PyTorch's OpInfo samples, Hugging Face models and RNNs); `install` sets up all
+six:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -38,11 +39,17 @@ Face models and RNNs); all five are registered by `install`:
   (`linalg.svdvals`, `eigvalsh`, `cond`, the nuclear norm). Registered at AutogradPrivateUse1,
   they ask for the vectors where CPU does (grad mode on and the input requiring grad, or a
   forward-mode gradient).
+- `F.linear_cross_entropy` with `options`: its "auto" accumulation policy, dtype and chunking are
+  looked up by device type (`LinearCrossEntropyOptions._adjust`); CPU's entry accumulates float16
+  and bfloat16 logits in float32 ("accurate", chunks of the batch by aspect ratio), a device
+  without an entry in the 16-bit dtype itself ("compact", half those chunks): bfloat16 and float16
+  losses and gradients were off CPU's by 16-bit ulps. `neuron` resolves "auto" as CPU does.
 """
 from __future__ import annotations
 
 import torch
 from torch.nn.attention import SDPBackend
+from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
@@ -129,11 +136,28 @@ def _may_require_grad(tensor) -> bool:
         torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None
 
 
+def _resolved_as_on_cpu(adjust):
+    """LinearCrossEntropyOptions._adjust, resolving "auto" for a neuron tensor as for a CPU one."""
+    def _adjust(self, num_batches, in_features, num_classes, dtype, device=None):
+        if device is not None and torch.device(device).type == "neuron":
+            device = torch.device("cpu")
+        return adjust(self, num_batches, in_features, num_classes, dtype, device)
+    _adjust.resolves_neuron_as_cpu = True
+    return _adjust
+
+
+def _linear_cross_entropy_options_as_on_cpu() -> None:
+    options = LinearCrossEntropyOptions
+    if not getattr(options._adjust, "resolves_neuron_as_cpu", False):
+        options._adjust = _resolved_as_on_cpu(options._adjust)
+
+
 def install() -> None:
     """Register them all; idempotent."""
     global _library
     if _library is not None:
         return
+    _linear_cross_entropy_options_as_on_cpu()
     _library = torch.library.Library("aten", "IMPL")
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
