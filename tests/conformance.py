@@ -8,7 +8,9 @@ recorded, compiled as a region where the compiler can, and run from the compiled
 first read of a result; the caches are reset before each sample (`fresh`), or by the caller (the
 sweep resets them per op, so an op's samples meet each other's cached plans and metadata, as a
 program's steps do). A sample's outcome is one of:
-  PASS      neuron agrees with CPU (values, dtype, shape; gradients in grad mode)
+  PASS      neuron agrees with CPU (values, dtype, shape; gradients in grad mode): bitwise in
+            eager mode, which runs CPU's kernels on the same values (but where NOT_BITWISE says
+            why not), within the dtype's tolerance in the lazy modes, whose regions may run C
   FAIL      neuron disagrees or raises where CPU does not
   EXCLUDED  the op is listed in tests/opinfo_exclusions.py (the reason says why)
   NOT_RUN   the sample does not run on CPU either, or has nothing to differentiate: not counted
@@ -28,7 +30,7 @@ import tilewise
 
 sys.path.insert(0, os.path.dirname(__file__))
 from opinfo_exclusions import (COMPARE_METADATA_ONLY, ENGINE_MODES, EXCLUDED, KINDS, KNOWN_FAILURES,  # noqa: E402
-                               TOLERANCES, category_of)
+                               NOT_BITWISE, TOLERANCES, category_of)
 
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 
@@ -66,6 +68,19 @@ def exclusion(key: str, kind: str, engine: str = "eager", table: dict = EXCLUDED
 
 def known_failure(key: str, kind: str, engine: str) -> str | None:
     return exclusion(key, kind, engine, KNOWN_FAILURES)
+
+
+# atol and rtol of a bitwise comparison
+BITWISE = (0.0, 0.0)
+
+
+def tolerance_of(key: str, kind: str, engine: str) -> tuple | None:
+    """(atol, rtol) a sample's values are compared with: none in eager mode, which runs CPU's own
+    kernels (NOT_BITWISE lists where it cannot), the op's TOLERANCES entry or the dtype's default
+    (None) in the lazy modes."""
+    if engine == "eager" and exclusion(key, kind, engine, NOT_BITWISE) is None:
+        return BITWISE
+    return TOLERANCES.get(key)
 
 
 def samples(op, kind: str, limit: int | None = None) -> list:
@@ -160,9 +175,12 @@ def _compare(actual, expected, what: str, metadata_only: bool, on_device: bool =
                                      f"{expected.dtype}{list(expected.shape)}")
             return
         floats = (torch.float32, *_SIXTEEN_BIT)
-        atol, rtol = tolerance[:2] if tolerance and expected.dtype in floats else (None, None)
-        if tolerance and expected.dtype in _SIXTEEN_BIT:
-            atol, rtol = atol * 100, rtol * 100
+        if tolerance == BITWISE:
+            atol, rtol = BITWISE
+        else:
+            atol, rtol = tolerance[:2] if tolerance and expected.dtype in floats else (None, None)
+            if tolerance and expected.dtype in _SIXTEEN_BIT:
+                atol, rtol = atol * 100, rtol * 100
         torch.testing.assert_close(actual, expected, equal_nan=True, atol=atol, rtol=rtol,
                                    msg=lambda m: f"{what}: {m}")
     elif isinstance(expected, (list, tuple)):
@@ -194,7 +212,7 @@ def _expected_forward(op, sample):
     return _run(op, (sample.input, *sample.args), sample.kwargs)
 
 
-def _check_forward(op, sample, moved, expected) -> None:
+def _check_forward(op, sample, moved, expected, tolerance: tuple | None) -> None:
     """Run the sample's copy on neuron, `moved`, and compare with CPU's `expected`; raises on a
     difference."""
     metadata_only = op_key(op) in COMPARE_METADATA_ONLY
@@ -202,11 +220,11 @@ def _check_forward(op, sample, moved, expected) -> None:
     actual = _run(op, (device_input, *device_args), device_kwargs)
     # A factory given neither a tensor nor a device (torch.arange(3)) rightly returns a CPU tensor.
     on_device = isinstance(sample.input, torch.Tensor) or "device" in sample.kwargs
-    _compare(actual, expected, "output", metadata_only, on_device, TOLERANCES.get(op_key(op)))
+    _compare(actual, expected, "output", metadata_only, on_device, tolerance)
     # In-place ops and out= write their arguments: the writes must land on the device too.
     if not metadata_only:
         _compare(_tensors([device_input, *device_args]), _tensors([sample.input, *sample.args]),
-                 "inputs after", False)
+                 "inputs after", False, tolerance=BITWISE if tolerance == BITWISE else None)
 
 
 def _tensors(values) -> list:
@@ -240,12 +258,12 @@ def _expected_grads(op, sample):
         for g in grads)
 
 
-def _check_grads(op, sample, moved, expected) -> None:
+def _check_grads(op, sample, moved, expected, tolerance: tuple | None) -> None:
     device_input, device_args, device_kwargs = moved
     actual = _grads(op, device_input, device_args, device_kwargs, sample.output_process_fn_grad, NEURON)
     if actual is None:
         raise AssertionError("no differentiable outputs on neuron")
-    _compare(list(actual), list(expected), "grad", False, tolerance=TOLERANCES.get(op_key(op)))
+    _compare(list(actual), list(expected), "grad", False, tolerance=tolerance)
 
 
 def _on_engine(engine: str, fresh: bool, check, *args) -> Outcome:
@@ -281,7 +299,8 @@ def run_sample(op, sample, kind: str, engine: str = "eager", fresh: bool = True)
     reason = exclusion(op_key(op), kind, engine)
     if reason is not None:
         return Outcome(EXCLUDED_, reason)
-    return _on_engine(engine, fresh, _check_grads if grad else _check_forward, op, sample, moved, expected)
+    return _on_engine(engine, fresh, _check_grads if grad else _check_forward, op, sample, moved, expected,
+                      tolerance_of(op_key(op), kind, engine))
 
 
 __all__ = ["ENGINE_MODES", "EXCLUDED", "FAIL", "KINDS", "NOT_RUN", "known_failure", "OPS", "Outcome", "PASS", "applies",

@@ -1,7 +1,8 @@
-"""PyTorch's OpInfo samples on neuron against CPU: a deterministic subset (the full sweep, every op,
-sample, kind and engine mode, is scripts/opinfo_sweep.py). Each sample is its own test; excluded
-ops skip with their reason (tests/opinfo_exclusions.py), samples that fail on CPU too skip as not
-run. In the lazy engine modes each sample starts from empty caches and compiles at first sight.
+"""PyTorch's OpInfo samples on neuron against CPU, bitwise in eager mode (conformance.tolerance_of):
+a deterministic subset (the full sweep, every op, sample, kind and engine mode, is
+scripts/opinfo_sweep.py). Each sample is its own test; excluded ops skip with their reason
+(tests/opinfo_exclusions.py), samples that fail on CPU too skip as not run. In the lazy engine
+modes each sample starts from empty caches and compiles at first sight.
 
 Subset, per (engine mode, kind): the first samples of every op, or of evenly spread ops (SUBSET).
 """
