@@ -1,5 +1,6 @@
 """Where PyTorch picks an op's kernel by device type, `neuron` computes what CPU's pick computes,
 bitwise, forward and backward, in every engine mode (eager/kernel_choice.py)."""
+import contextlib
 import copy
 
 import pytest
@@ -197,3 +198,62 @@ def test_chunked_linear_cross_entropy_resolves_auto_options_as_on_cpu(dtype, red
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     if mode == "compiled":
         assert compiled > 0
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    "SGD nesterov, weight decay": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "Adam amsgrad, weight decay": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-2),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "NAdam decoupled weight decay": lambda p: torch.optim.NAdam(p, lr=1e-2, decoupled_weight_decay=True,
+                                                               weight_decay=1e-2),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
+    "RMSprop centered, momentum": lambda p: torch.optim.RMSprop(p, lr=1e-2, centered=True, momentum=0.9),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+}
+
+
+def _trained(model, make_optimizer, device: str, mode: str | None) -> list:
+    """The parameters after five steps of `model` (on `device`) with the optimizer."""
+    optimizer = make_optimizer(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_computes_cpu_s_parameters(name, mode, deterministic_algorithms):
+    """CPU runs every optimizer's per-parameter loop, neuron (a device with foreach kernels) the
+    multi-tensor implementation unless told otherwise; NAdam's, RAdam's and ASGD's round otherwise
+    (parameters up to 7.5e-8 off after five steps), so those loop on neuron too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    expected = _trained(copy.deepcopy(model), OPTIMIZERS[name], "cpu", None)
+    got = _trained(copy.deepcopy(model).to("neuron"), OPTIMIZERS[name], "neuron", mode)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode == "compiled":
+        assert tilewise.stats().ops_compiled > 0
+
+
+def test_optimizers_that_round_alike_keep_the_multi_tensor_path_on_neuron():
+    """Where the two implementations agree, neuron keeps `foreach`: one recorded op per group."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from tilewise.eager.kernel_choice import FOREACH_ROUNDS_OTHERWISE
+    params = list(torch.nn.Linear(2, 2).to("neuron").parameters())
+    assert _default_to_fused_or_foreach(params, False) == (False, True)
+    for module in FOREACH_ROUNDS_OTHERWISE:
+        assert module._default_to_fused_or_foreach(params, False) == (False, False)

@@ -3,9 +3,9 @@
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
 bitwise, as long as the ops that reach it are the ones CPU runs. Five places in PyTorch send a
 PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at,
-and a sixth picks an algorithm by device type in Python (found by comparing the ops and values CPU
-and neuron give for PyTorch's OpInfo samples, Hugging Face models and RNNs); `install` sets up all
-six:
+and two more pick an algorithm by device type in Python (found by comparing the ops and values CPU
+and neuron give for PyTorch's OpInfo samples, Hugging Face models, RNNs and optimizers); `install`
+sets up all seven:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -44,12 +44,19 @@ six:
   and bfloat16 logits in float32 ("accurate", chunks of the batch by aspect ratio), a device
   without an entry in the 16-bit dtype itself ("compact", half those chunks): bfloat16 and float16
   losses and gradients were off CPU's by 16-bit ulps. `neuron` resolves "auto" as CPU does.
+- The optimizers' default implementation: the multi-tensor one (`foreach`) for the devices listed
+  as having foreach kernels, PrivateUse1 among them, the per-parameter loop for CPU. Most compute
+  the same values either way, but NAdam, RAdam and ASGD round otherwise (5 steps of a small MLP:
+  parameters off CPU's by up to 7.5e-8). Those three default to the loop on `neuron` as on CPU; the
+  others keep `foreach`, one recorded op per parameter group instead of one per parameter (the
+  tests hold every optimizer to CPU's values, so one that starts to differ is found).
 """
 from __future__ import annotations
 
 import torch
 from torch.nn.attention import SDPBackend
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+from torch.optim import asgd, nadam, radam
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
@@ -152,12 +159,36 @@ def _linear_cross_entropy_options_as_on_cpu() -> None:
         options._adjust = _resolved_as_on_cpu(options._adjust)
 
 
+# The optimizers whose multi-tensor implementation rounds otherwise than the per-parameter loop
+# CPU runs (tests/test_kernel_choice.py compares every torch.optim optimizer with CPU's)
+FOREACH_ROUNDS_OTHERWISE = (nadam, radam, asgd)
+
+
+def _loop_on_neuron(default):
+    """An optimizer module's `_default_to_fused_or_foreach`, answering for neuron parameters what it
+    answers for CPU's: the per-parameter loop."""
+    def _default_to_fused_or_foreach(params, differentiable, use_fused=False):
+        fused, foreach = default(params, differentiable, use_fused)
+        if foreach and any(type(p) is NeuronTensor for p in params):
+            foreach = False
+        return fused, foreach
+    _default_to_fused_or_foreach.loops_on_neuron = True
+    return _default_to_fused_or_foreach
+
+
+def _optimizers_as_on_cpu() -> None:
+    for module in FOREACH_ROUNDS_OTHERWISE:
+        if not getattr(module._default_to_fused_or_foreach, "loops_on_neuron", False):
+            module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
+
+
 def install() -> None:
     """Register them all; idempotent."""
     global _library
     if _library is not None:
         return
     _linear_cross_entropy_options_as_on_cpu()
+    _optimizers_as_on_cpu()
     _library = torch.library.Library("aten", "IMPL")
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
