@@ -3,9 +3,9 @@
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
 bitwise, as long as the ops that reach it are the ones CPU runs. Five places in PyTorch send a
 PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at,
-and two more pick an algorithm by device type in Python (found by comparing the ops and values CPU
-and neuron give for PyTorch's OpInfo samples, Hugging Face models, RNNs and optimizers); `install`
-sets up all seven:
+and three more pick an algorithm by device type in Python (found by comparing the ops and values
+CPU and neuron give for PyTorch's OpInfo samples, Hugging Face models, RNNs and optimizers, and by
+reading PyTorch's Python for device-type branches); `install` sets up all eight:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -50,10 +50,15 @@ sets up all seven:
   parameters off CPU's by up to 7.5e-8). Those three default to the loop on `neuron` as on CPU; the
   others keep `foreach`, one recorded op per parameter group instead of one per parameter (the
   tests hold every optimizer to CPU's values, so one that starts to differ is found).
+- `F.interpolate` in bilinear and trilinear mode while `torch.use_deterministic_algorithms(True)`
+  is on: any input but a CPU one takes PyTorch's decomposition (`_upsample_linear_vec`, whose
+  backward is index_put's), which rounds otherwise than the kernel (outputs and gradients up to
+  1.4e-6 off). A neuron input runs the kernel, as a CPU input does.
 """
 from __future__ import annotations
 
 import torch
+from torch._decomp import decompositions
 from torch.nn.attention import SDPBackend
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from torch.optim import asgd, nadam, radam
@@ -182,6 +187,27 @@ def _optimizers_as_on_cpu() -> None:
             module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
 
 
+# F.interpolate's linear kernels by input rank, as it calls them for a CPU input
+_LINEAR_KERNELS = {4: torch._C._nn.upsample_bilinear2d, 5: torch._C._nn.upsample_trilinear3d}
+
+
+def _kernel_on_neuron(decomposition):
+    """torch._decomp.decompositions._upsample_linear_vec, which F.interpolate calls for inputs not on
+    the CPU under deterministic algorithms, running the kernel for a neuron input."""
+    def _upsample_linear_vec(input, output_size, align_corners, scale_factors):
+        kernel = _LINEAR_KERNELS.get(input.dim()) if isinstance(input, NeuronTensor) else None
+        if kernel is None:
+            return decomposition(input, output_size, align_corners, scale_factors)
+        return kernel(input, output_size, align_corners, scale_factors)
+    _upsample_linear_vec.kernel_on_neuron = True
+    return _upsample_linear_vec
+
+
+def _linear_upsampling_as_on_cpu() -> None:
+    if not getattr(decompositions._upsample_linear_vec, "kernel_on_neuron", False):
+        decompositions._upsample_linear_vec = _kernel_on_neuron(decompositions._upsample_linear_vec)
+
+
 def install() -> None:
     """Register them all; idempotent."""
     global _library
@@ -189,6 +215,7 @@ def install() -> None:
         return
     _linear_cross_entropy_options_as_on_cpu()
     _optimizers_as_on_cpu()
+    _linear_upsampling_as_on_cpu()
     _library = torch.library.Library("aten", "IMPL")
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
