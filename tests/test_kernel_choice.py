@@ -288,3 +288,32 @@ def test_linear_upsampling_under_deterministic_algorithms_runs_cpu_s_kernel(case
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     if mode == "compiled":
         assert compiled > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("average", ["swa", "ema", "swa with buffers"])
+def test_averaged_model_computes_cpu_s_averages(average, mode, deterministic_algorithms):
+    """AveragedModel's default (SWA) average is _foreach_lerp_ on a device with foreach kernels and
+    avg + (p - avg) / (n + 1) per parameter on CPU: one ulp apart in every parameter before."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    options = {"swa": {}, "ema": {"multi_avg_fn": get_ema_multi_avg_fn(0.9)},
+               "swa with buffers": {"use_buffers": True}}[average]
+
+    def averaged(model, device: str, mode: str | None) -> list:
+        model = copy.deepcopy(model).to(device)
+        averaging = AveragedModel(model, **options)
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(6):
+            with tilewise.engine(mode=mode) if mode else contextlib.nullcontext(), torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn(parameter.shape, generator=generator).to(device), alpha=0.1)
+                averaging.update_parameters(model)
+        return [t.detach().cpu() for t in (*averaging.parameters(), *averaging.buffers())]
+
+    expected = averaged(model, "cpu", None)
+    got = averaged(model, "neuron", mode)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode == "compiled":
+        assert tilewise.stats().ops_compiled > 0

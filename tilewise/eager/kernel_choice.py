@@ -49,7 +49,9 @@ reading PyTorch's Python for device-type branches); `install` sets up all eight:
   the same values either way, but NAdam, RAdam and ASGD round otherwise (5 steps of a small MLP:
   parameters off CPU's by up to 7.5e-8). Those three default to the loop on `neuron` as on CPU; the
   others keep `foreach`, one recorded op per parameter group instead of one per parameter (the
-  tests hold every optimizer to CPU's values, so one that starts to differ is found).
+  tests hold every optimizer to CPU's values, so one that starts to differ is found). Likewise
+  `AveragedModel`'s default (SWA) average: `_foreach_lerp_` on a device with foreach kernels,
+  `avg + (p - avg) / (n + 1)` per parameter on CPU (one ulp apart); neuron averages as CPU.
 - `F.interpolate` in bilinear and trilinear mode while `torch.use_deterministic_algorithms(True)`
   is on: any input but a CPU one takes PyTorch's decomposition (`_upsample_linear_vec`, whose
   backward is index_put's), which rounds otherwise than the kernel (outputs and gradients up to
@@ -61,7 +63,7 @@ import torch
 from torch._decomp import decompositions
 from torch.nn.attention import SDPBackend
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
-from torch.optim import asgd, nadam, radam
+from torch.optim import asgd, nadam, radam, swa_utils
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
@@ -181,10 +183,20 @@ def _loop_on_neuron(default):
     return _default_to_fused_or_foreach
 
 
+def _without_neuron(devices):
+    """`_get_foreach_kernels_supported_devices` as a module that loops where CPU does reads it."""
+    def _get_foreach_kernels_supported_devices():
+        return [device for device in devices() if device != "neuron"]
+    _get_foreach_kernels_supported_devices.loops_on_neuron = True
+    return _get_foreach_kernels_supported_devices
+
+
 def _optimizers_as_on_cpu() -> None:
     for module in FOREACH_ROUNDS_OTHERWISE:
         if not getattr(module._default_to_fused_or_foreach, "loops_on_neuron", False):
             module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
+    if not getattr(swa_utils._get_foreach_kernels_supported_devices, "loops_on_neuron", False):
+        swa_utils._get_foreach_kernels_supported_devices = _without_neuron(swa_utils._get_foreach_kernels_supported_devices)
 
 
 # F.interpolate's linear kernels by input rank, as it calls them for a CPU input
