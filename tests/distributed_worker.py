@@ -8,6 +8,7 @@ Every collective runs twice on the same inputs: on neuron tensors through the de
 group, and on CPU tensors through a gloo group, the reference. In the lazy modes the inputs are
 computed inside the engine block, so the collective has to compute the pending work first.
 """
+import contextlib
 import datetime
 import json
 import sys
@@ -154,6 +155,41 @@ def tensor_parallel(mode: str) -> dict:
     return {"losses": losses, "collectives": {k: vars(t) for k, t in tilewise.stats().collectives.items()}}
 
 
+def batch_norm_cnn_and_data(steps: int = 4, global_batch: int = 8):
+    """A CNN with BatchNorm and its batches: SyncBatchNorm's workload, and its reference."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(6 * 5 * 5, 4))
+    data = [(torch.randn(global_batch, 3, 5, 5), torch.randint(0, 4, (global_batch,))) for _ in range(steps)]
+    return model, data
+
+
+def batch_norm_training(model, data, device, rows=slice(None), mode: str | None = None) -> dict:
+    """SGD steps on `rows` of each batch: the losses, then the parameters and BatchNorm's running
+    statistics (the state dict)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        for x, y in data:
+            loss = torch.nn.functional.cross_entropy(model(x[rows].to(device)), y[rows].to(device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    return {"losses": losses, "state": {k: v.cpu().tolist() for k, v in module.state_dict().items()}}
+
+
+def sync_batch_norm(mode: str) -> dict:
+    """DDP with SyncBatchNorm, each rank on its half of the global batch: statistics all-gathered."""
+    model, data = batch_norm_cnn_and_data()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = data[0][0].shape[0] // world
+    device = neuron_device()
+    model = DistributedDataParallel(torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).to(device))
+    return batch_norm_training(model, data, device, slice(rank * share, (rank + 1) * share), mode)
+
+
 def trace_lanes() -> dict:
     trace = tilewise.DEVICE.timeline.chrome_trace()
     tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"]
@@ -191,7 +227,7 @@ def main(path: str) -> None:
             results = collectives("neuron", None)
         counted = {kind: vars(t) for kind, t in tilewise.stats().collectives.items()}
         report["modes"][mode] = {"collectives": results, "counted": counted,
-                                 "tensor_parallel": tensor_parallel(mode)}
+                                 "tensor_parallel": tensor_parallel(mode), "sync_batch_norm": sync_batch_norm(mode)}
         for name, wrap in (("ddp", DistributedDataParallel), ("fsdp", fully_shard_blocks)):
             run = train_parallel(wrap, mode, steps=STEPS, global_batch=BATCH, warmup=WARMUP)
             report["modes"][mode][name] = {

@@ -146,6 +146,27 @@ def test_tensor_parallel_layers_train_as_the_whole_model_does(report, worker, mo
         assert run["collectives"]["all_reduce"]["bytes"] == len(expected) * 5 * 4 * 4  # [5, 4] float32 outputs
 
 
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_sync_batch_norm_trains_as_batch_norm_on_the_global_batch(report, worker, mode):
+    """SyncBatchNorm's ops have CUDA kernels only; neuron computes them as aten ops
+    (eager/sync_batch_norm.py). Each rank's loss is its half's; the parameters and running
+    statistics are one CPU process's on the whole batch."""
+    model, data = worker.batch_norm_cnn_and_data()
+    whole = worker.batch_norm_training(model, data, "cpu")
+    halves = [worker.batch_norm_training(worker.batch_norm_cnn_and_data()[0], data, "cpu", rows)
+              for rows in (slice(0, 4), slice(4, 8))]
+    for rank in range(WORLD):
+        run = report[rank]["modes"][mode]["sync_batch_norm"]
+        assert len(run["losses"]) == len(whole["losses"])
+        for name, expected in whole["state"].items():
+            torch.testing.assert_close(torch.tensor(run["state"][name]), torch.tensor(expected), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+    # the statistics really were global: a rank's running mean is not its own half's
+    own = halves[0]["state"]["1.running_mean"]
+    assert not torch.allclose(torch.tensor(report[0]["modes"][mode]["sync_batch_norm"]["state"]["1.running_mean"]),
+                              torch.tensor(own), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
 def test_data_parallel_equals_one_process_on_the_global_batch(report, cpu_reference, mode, wrapper):

@@ -210,14 +210,24 @@ class NeuronProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         return self._run(Collective.ALL_GATHER, [input, output], _nbytes([output]),
-                         lambda host: self._gloo._allgather_base(host(output), host(input), opts), [output])
+                         lambda host: self._gloo._allgather_base(self._stacked(host(output), host(input)), host(input),
+                                                                 opts), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
         def call(host):
             for output, input in zip(outputs, inputs, strict=True):
-                self._gloo._allgather_base(host(output), host(input), opts).wait()
+                self._gloo._allgather_base(self._stacked(host(output), host(input)), host(input), opts).wait()
 
         return self._run(Collective.ALL_GATHER, [*inputs, *outputs], _nbytes(outputs), call, outputs)
+
+    def _stacked(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """all_gather_into_tensor's output as gloo takes it, the ranks' inputs stacked along dim 0.
+        Like NCCL, the collective accepts any contiguous output of world * input.numel() elements
+        (SyncBatchNorm gathers into a [1, world * n] tensor); gloo wants [world * d0, ...]."""
+        shape = [self.size() * input.shape[0], *input.shape[1:]] if input.dim() else [self.size()]
+        if output.shape[0] != shape[0] and output.is_contiguous() and output.numel() == self.size() * input.numel():
+            return output.view(shape)
+        return output
 
     def reduce_scatter(self, outputs, input_lists, opts=ReduceScatterOptions()):
         inputs = [t for group in input_lists for t in group]

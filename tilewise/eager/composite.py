@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import cpu_rnn
+from . import cpu_rnn, sync_batch_norm
 
 aten = torch.ops.aten
 
@@ -155,6 +155,7 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten.rnn_tanh.data: cpu_rnn.rnn_tanh_packed,
     aten.rnn_relu.data: cpu_rnn.rnn_relu_packed,
     aten._pad_packed_sequence.default: aten._pad_packed_sequence.default.decompose,
+    **sync_batch_norm.COMPOSITES,
 }
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).
