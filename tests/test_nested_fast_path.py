@@ -63,3 +63,9 @@ def test_a_transformer_with_padding_masks_computes_cpu_s_values():
                                                  src_key_padding_mask=mask.to("neuron"),
                                                  memory_key_padding_mask=mask.to("neuron")).cpu()
     assert torch.equal(got, expected)
+
+
+def test_a_nested_neuron_tensor_asked_for_directly_is_refused_in_words():
+    x, mask = _batch()
+    with pytest.raises(tilewise.DeviceError, match="dense"):
+        torch._nested_tensor_from_mask(x.to("neuron"), mask.logical_not().to("neuron"))

@@ -156,14 +156,7 @@ def _resolved_as_on_cpu(adjust):
         if device is not None and torch.device(device).type == "neuron":
             device = torch.device("cpu")
         return adjust(self, num_batches, in_features, num_classes, dtype, device)
-    _adjust.resolves_neuron_as_cpu = True
     return _adjust
-
-
-def _linear_cross_entropy_options_as_on_cpu() -> None:
-    options = LinearCrossEntropyOptions
-    if not getattr(options._adjust, "resolves_neuron_as_cpu", False):
-        options._adjust = _resolved_as_on_cpu(options._adjust)
 
 
 # The optimizers whose multi-tensor implementation rounds otherwise than the per-parameter loop
@@ -176,27 +169,17 @@ def _loop_on_neuron(default):
     answers for CPU's: the per-parameter loop."""
     def _default_to_fused_or_foreach(params, differentiable, use_fused=False):
         fused, foreach = default(params, differentiable, use_fused)
-        if foreach and any(type(p) is NeuronTensor for p in params):
+        if foreach and any(isinstance(p, NeuronTensor) for p in params):
             foreach = False
         return fused, foreach
-    _default_to_fused_or_foreach.loops_on_neuron = True
     return _default_to_fused_or_foreach
 
 
 def _without_neuron(devices):
-    """`_get_foreach_kernels_supported_devices` as a module that loops where CPU does reads it."""
+    """`_get_foreach_kernels_supported_devices` for a module that is to loop on neuron, as on CPU."""
     def _get_foreach_kernels_supported_devices():
         return [device for device in devices() if device != "neuron"]
-    _get_foreach_kernels_supported_devices.loops_on_neuron = True
     return _get_foreach_kernels_supported_devices
-
-
-def _optimizers_as_on_cpu() -> None:
-    for module in FOREACH_ROUNDS_OTHERWISE:
-        if not getattr(module._default_to_fused_or_foreach, "loops_on_neuron", False):
-            module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
-    if not getattr(swa_utils._get_foreach_kernels_supported_devices, "loops_on_neuron", False):
-        swa_utils._get_foreach_kernels_supported_devices = _without_neuron(swa_utils._get_foreach_kernels_supported_devices)
 
 
 # F.interpolate's linear kernels by input rank, as it calls them for a CPU input
@@ -211,13 +194,7 @@ def _kernel_on_neuron(decomposition):
         if kernel is None:
             return decomposition(input, output_size, align_corners, scale_factors)
         return kernel(input, output_size, align_corners, scale_factors)
-    _upsample_linear_vec.kernel_on_neuron = True
     return _upsample_linear_vec
-
-
-def _linear_upsampling_as_on_cpu() -> None:
-    if not getattr(decompositions._upsample_linear_vec, "kernel_on_neuron", False):
-        decompositions._upsample_linear_vec = _kernel_on_neuron(decompositions._upsample_linear_vec)
 
 
 def install() -> None:
@@ -225,9 +202,12 @@ def install() -> None:
     global _library
     if _library is not None:
         return
-    _linear_cross_entropy_options_as_on_cpu()
-    _optimizers_as_on_cpu()
-    _linear_upsampling_as_on_cpu()
+    # PyTorch's Python that picks by device type: each function wrapped once (install runs once)
+    LinearCrossEntropyOptions._adjust = _resolved_as_on_cpu(LinearCrossEntropyOptions._adjust)
+    for module in FOREACH_ROUNDS_OTHERWISE:
+        module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
+    swa_utils._get_foreach_kernels_supported_devices = _without_neuron(swa_utils._get_foreach_kernels_supported_devices)
+    decompositions._upsample_linear_vec = _kernel_on_neuron(decompositions._upsample_linear_vec)
     _library = torch.library.Library("aten", "IMPL")
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")

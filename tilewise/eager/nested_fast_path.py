@@ -11,18 +11,25 @@ modes' pending work, as an op they cannot record runs.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
+from ..errors import DeviceError
 
 _installed = False
 
 
-class _Packing(Exception):
-    """The fast path asked to pack a neuron tensor: the encoder runs on the host instead."""
+class _Packing(DeviceError):
+    """The fast path asked to pack a neuron tensor: the encoder runs on the host instead. Raised
+    elsewhere (a program's own call), it says why there is no nested neuron tensor."""
+
+    def __init__(self):
+        super().__init__("neuron tensors are dense (strided) only: cannot make a nested tensor on neuron")
 
 
 def _refusing_neuron(pack):
@@ -36,12 +43,12 @@ def _refusing_neuron(pack):
 def _on_host_when_packing(forward):
     """TransformerEncoder.forward; where its fast path packs a neuron batch (no layer has run: the
     packing comes first), the same forward on the host buffers."""
+    @functools.wraps(forward)
     def encoder_forward(self, src, *args, **kwargs):
         try:
             return forward(self, src, *args, **kwargs)
         except _Packing:
             return _forward_on_host(forward, self, src, args, kwargs)
-    encoder_forward.__doc__ = forward.__doc__
     return encoder_forward
 
 
