@@ -35,6 +35,7 @@ NOT_BITWISE: dict[str, str] = {
         "ATen's derivative formula of prod branches on isTensorSubclassLike (prod_backward: a Python "
         "subclass always takes prod_safe_zeros_backward's cumulative products, a CPU tensor without "
         "zeros grad * result / input), inside autograd, where no registration reaches"),
+    "masked.prod@grad": "prod's gradient (masked.prod is prod of where(mask, input, 1)): see prod@grad",
 }
 
 # Ops whose results are uninitialised memory: only shape and dtype are comparable.
