@@ -29,6 +29,11 @@ def _per_channel(values: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     return aten.view.default(values, [1, values.shape[0], *[1] * (input.dim() - 2)])
 
 
+def _scale(invstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """What the centred input is multiplied by, per channel."""
+    return invstd if weight is None else aten.mul.Tensor(invstd, weight)
+
+
 def batch_norm_stats(input, eps):
     """(mean, invstd) per channel of this rank's batch; the variance is biased."""
     x = aten._to_copy.default(input, dtype=_stats_dtype(input))
@@ -56,8 +61,7 @@ def batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, runni
 
 def batch_norm_elemt(input, weight, bias, mean, invstd, eps):
     """(input - mean) * invstd * weight + bias, per channel."""
-    scale = invstd if weight is None else aten.mul.Tensor(invstd, weight)
-    out = aten.mul.Tensor(aten.sub.Tensor(input, _per_channel(mean, input)), _per_channel(scale, input))
+    out = aten.mul.Tensor(aten.sub.Tensor(input, _per_channel(mean, input)), _per_channel(_scale(invstd, weight), input))
     if bias is not None:
         out = aten.add.Tensor(out, _per_channel(bias, input))
     return aten._to_copy.default(out, dtype=input.dtype)
@@ -82,10 +86,9 @@ def batch_norm_backward_elemt(grad_out, input, mean, invstd, weight, sum_dy, sum
     total = aten.sum.default(aten._to_copy.default(count, dtype=mean.dtype))
     mean_dy = _per_channel(aten.div.Tensor(sum_dy, total), input)
     factor = _per_channel(aten.div.Tensor(aten.mul.Tensor(aten.mul.Tensor(invstd, invstd), sum_dy_xmu), total), input)
-    scale = invstd if weight is None else aten.mul.Tensor(invstd, weight)
     centred = aten.sub.Tensor(input, _per_channel(mean, input))
     grad = aten.sub.Tensor(aten.sub.Tensor(grad_out, mean_dy), aten.mul.Tensor(centred, factor))
-    return aten._to_copy.default(aten.mul.Tensor(grad, _per_channel(scale, input)), dtype=input.dtype)
+    return aten._to_copy.default(aten.mul.Tensor(grad, _per_channel(_scale(invstd, weight), input)), dtype=input.dtype)
 
 
 COMPOSITES = {
