@@ -317,3 +317,40 @@ def test_averaged_model_computes_cpu_s_averages(average, mode, deterministic_alg
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     if mode == "compiled":
         assert tilewise.stats().ops_compiled > 0
+
+
+GROUP_NORM = {  # name -> (input shape, memory format, GroupNorm groups)
+    "channels last": ((2, 8, 6, 6), torch.channels_last, 2),
+    "channels last 3d": ((2, 6, 3, 4, 5), torch.channels_last_3d, 3),
+    "contiguous": ((2, 8, 6, 6), torch.contiguous_format, 4),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", GROUP_NORM)
+def test_group_norm_gradients_take_cpu_s_memory_format(case, mode, deterministic_algorithms):
+    """derivatives.yaml makes group_norm's gradient and input contiguous before its backward kernel
+    on any device but the CPU, whose kernel sums a channels-last input in another order: a
+    channels-last CNN with GroupNorm had gradients off CPU's (weight by 3.8e-6). First and second
+    order (create_graph), with the output's memory format."""
+    shape, memory_format, groups = GROUP_NORM[case]
+    torch.manual_seed(0)
+    norm = torch.nn.GroupNorm(groups, shape[1])
+    x = torch.randn(shape).to(memory_format=memory_format)
+
+    def outputs_and_gradients(norm, x):
+        x = x.detach().requires_grad_()
+        out = norm(x)
+        d_x, d_weight = torch.autograd.grad((out * out.detach().cos()).sum(), (x, norm.weight), create_graph=True)
+        (d_x.pow(2).sum() + d_weight.sum()).backward()
+        first = torch.autograd.grad(norm(x).sum(), (x, norm.weight, norm.bias))
+        return [t.detach().cpu() for t in (out, d_x, d_weight, x.grad, norm.weight.grad, *first)], out.stride()
+
+    expected, stride = outputs_and_gradients(copy.deepcopy(norm), x)
+    with tilewise.engine(mode=mode):
+        got, got_stride = outputs_and_gradients(copy.deepcopy(norm).to("neuron"), x.to("neuron"))
+        compiled = tilewise.stats().ops_compiled
+    assert got_stride == stride
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode == "compiled":
+        assert compiled > 0

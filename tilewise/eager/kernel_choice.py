@@ -3,9 +3,10 @@
 The device runs every op on its host buffers with CPU's kernels, so it computes CPU's values
 bitwise, as long as the ops that reach it are the ones CPU runs. Five places in PyTorch send a
 PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key the device sees ops at,
-and three more pick an algorithm by device type in Python (found by comparing the ops and values
-CPU and neuron give for PyTorch's OpInfo samples, Hugging Face models, RNNs and optimizers, and by
-reading PyTorch's Python for device-type branches); `install` sets up all eight:
+one derivative formula branches on it, and three more places pick an algorithm by device type in
+Python (found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples,
+Hugging Face models, RNNs, CNNs and optimizers, and by reading PyTorch's Python and derivatives.yaml
+for device-type branches); `install` sets up all nine:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -39,6 +40,12 @@ reading PyTorch's Python for device-type branches); `install` sets up all eight:
   (`linalg.svdvals`, `eigvalsh`, `cond`, the nuclear norm). Registered at AutogradPrivateUse1,
   they ask for the vectors where CPU does (grad mode on and the input requiring grad, or a
   forward-mode gradient).
+- `group_norm`'s gradient (derivatives.yaml): on CPU, `native_group_norm_backward` gets the
+  gradient and the input in the input's memory format, on any other device (XPU aside) both made
+  contiguous first. CPU's kernel has a channels-last path that sums in another order, so a
+  channels-last CNN with GroupNorm had input and weight gradients off CPU's (weight 3.8e-6 in one
+  layer). Registered at AutogradPrivateUse1 (`group_norm` is a composite), a channels-last neuron
+  input that needs a gradient gets CPU's formula (`_GroupNormAsOnCpu`); anything else the composite.
 - `F.linear_cross_entropy` with `options`: its "auto" accumulation policy, dtype and chunking are
   looked up by device type (`LinearCrossEntropyOptions._adjust`); CPU's entry accumulates float16
   and bfloat16 logits in float32 ("accurate", chunks of the batch by aspect ratio), a device
@@ -61,6 +68,7 @@ from __future__ import annotations
 
 import torch
 from torch._decomp import decompositions
+from torch._prims_common import suggest_memory_format
 from torch.nn.attention import SDPBackend
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from torch.optim import asgd, nadam, radam, swa_utils
@@ -150,6 +158,51 @@ def _may_require_grad(tensor) -> bool:
         torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None
 
 
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True):
+    tensors = [t for t in (input, weight, bias) if t is not None]
+    if not (type(input) is NeuronTensor and suggest_memory_format(input) != torch.contiguous_format
+            and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return aten.group_norm.default.decompose(input, num_groups, weight, bias, eps, cudnn_enabled)
+    return _GroupNormAsOnCpu.apply(input, num_groups, weight, bias, eps)
+
+
+class _GroupNormAsOnCpu(torch.autograd.Function):
+    """`native_group_norm` with the backward derivatives.yaml gives a CPU tensor: the gradient and the
+    input in the input's memory format. Under create_graph, CPU's formula is the differentiable one,
+    which does not branch on the device: the forward is run again with autograd's own formula."""
+
+    @staticmethod
+    def forward(ctx, input, num_groups, weight, bias, eps):
+        n, c = input.shape[:2]
+        ctx.sizes = (n, c, input.numel() // max(1, n * c), num_groups)
+        output, mean, rstd = aten.native_group_norm.default(input, weight, bias, *ctx.sizes, eps)
+        ctx.eps = eps
+        ctx.save_for_backward(input, weight, bias, mean, rstd)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, bias, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _group_norm_grads_differentiably(grad, input, weight, bias, ctx.sizes, ctx.eps, ctx.needs_input_grad)
+        memory_format = suggest_memory_format(input)
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        d_input, d_weight, d_bias = aten.native_group_norm_backward.default(
+            grad.contiguous(memory_format=memory_format), input.contiguous(memory_format=memory_format),
+            mean, rstd, weight, *ctx.sizes, mask)
+        return d_input, None, d_weight, d_bias, None
+
+
+def _group_norm_grads_differentiably(grad, input, weight, bias, sizes, eps, needs_input_grad):
+    wanted = [(i, t) for i, t in ((0, input), (2, weight), (3, bias)) if needs_input_grad[i]]
+    output = aten.native_group_norm.default(input, weight, bias, *sizes, eps)[0]
+    found = torch.autograd.grad(output, [t for _, t in wanted], grad, create_graph=True)
+    grads = [None] * 5
+    for (i, _), g in zip(wanted, found):
+        grads[i] = g
+    return tuple(grads)
+
+
 def _resolved_as_on_cpu(adjust):
     """LinearCrossEntropyOptions._adjust, resolving "auto" for a neuron tensor as for a CPU one."""
     def _adjust(self, num_batches, in_features, num_classes, dtype, device=None):
@@ -213,6 +266,7 @@ def install() -> None:
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")
     _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     _library.impl("dropout", dropout, "AutogradPrivateUse1")
+    _library.impl("group_norm", group_norm, "AutogradPrivateUse1")
     _library.impl("linalg_svdvals", linalg_svdvals, "AutogradPrivateUse1")
     _library.impl("linalg_eigvalsh", linalg_eigvalsh, "AutogradPrivateUse1")
     cpu_rnn.install(_library)
