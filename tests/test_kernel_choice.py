@@ -259,6 +259,35 @@ def test_optimizers_that_round_alike_keep_the_multi_tensor_path_on_neuron():
         assert module._default_to_fused_or_foreach(params, False) == (False, False)
 
 
+FUSED_OPTIMIZERS = {  # the optimizers with a fused CPU kernel
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "Adam amsgrad, weight decay": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-2, fused=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "AdamW, a tensor learning rate": lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), fused=True),
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+    "SGD nesterov, weight decay": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2,
+                                                            fused=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", FUSED_OPTIMIZERS)
+def test_fused_optimizers_compute_cpu_s_parameters_and_compile(name, mode, deterministic_algorithms):
+    """`fused=True` runs CPU's fused kernel; in the lazy modes the step region holding it compiles
+    (functionalization could not trace the in-place fused ops, and the whole step ran eagerly:
+    compiler/fused_optimizers.py)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    expected = _trained(copy.deepcopy(model), FUSED_OPTIMIZERS[name], "cpu", None)
+    got = _trained(copy.deepcopy(model).to("neuron"), FUSED_OPTIMIZERS[name], "neuron", mode)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    stats = tilewise.stats()
+    assert not [reason for (_, reason) in stats.fallbacks if reason.startswith("compile failed")], stats.report()
+    if mode == "compiled":
+        assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()
+
+
 UPSAMPLING = {  # name -> (input shape, F.interpolate's keywords)
     "bilinear to a size": ((2, 3, 7, 9), {"mode": "bilinear", "size": (11, 13)}),
     "bilinear by a scale, corners aligned": ((2, 3, 7, 9), {"mode": "bilinear", "scale_factor": 1.7,

@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ..device.tensor import names_neuron
 from ..errors import CompileError
 from . import vml
+from .fused_optimizers import functional_fused_optimizers
 from .region import Region
 
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
@@ -383,7 +384,8 @@ def decompose(region: Region) -> Region:
 def trace(gm: torch.fx.GraphModule, inputs, tracing_mode: str, name: str) -> torch.fx.GraphModule:
     """The region re-traced through the decompositions and functionalized. `inputs` are tensors
     (or, for a shape-generic region, fake tensors with symbolic sizes and SymInts: compiler/symbolic.py)."""
-    flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(vml.user_math(host_factories(flat_module(gm))))))
+    flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(vml.user_math(host_factories(
+        functional_fused_optimizers(flat_module(gm)))))))
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 

@@ -21,10 +21,11 @@ import re
 import torch
 
 from ..errors import CompileError
-from . import vml
+from . import fused_optimizers, vml
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
-NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE)}
+NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE),
+              fused_optimizers.NAMESPACE: getattr(torch.ops, fused_optimizers.NAMESPACE)}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NODE_FIELDS = {"name", "op", "target", "args", "kwargs"}
 
