@@ -12,7 +12,7 @@ import tilewise
 from tilewise.adaptive import policy, shapes
 from tilewise.adaptive import RUNTIME
 from tilewise.compiler import cache as compiler_cache
-from tilewise.compiler import decompose
+from tilewise.compiler import decompose, meta_kernels
 from tilewise.compiler.symbolic import Dynamic, compile_generic
 from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Why
@@ -379,3 +379,68 @@ def test_a_transformer_at_random_lengths_matches_cpu_with_plans_made_at_other_si
     # program it made then serves the other lengths (a second one came at length 6 when the
     # coincidence was an equality guard)
     assert stats.specialisations == 1 and stats.evaluated_sizes >= 5, stats.report()
+
+
+UPSAMPLING = {  # name -> (input shape at size n, F.interpolate's keywords)
+    "nearest 1d": (lambda n: (2, 3, n), {"scale_factor": 2, "mode": "nearest"}),
+    "nearest-exact 1d": (lambda n: (2, 3, n), {"scale_factor": 2, "mode": "nearest-exact"}),
+    "linear 1d": (lambda n: (2, 3, n), {"scale_factor": 2, "mode": "linear"}),
+    "nearest 2d": (lambda n: (2, 3, n, n), {"scale_factor": 2, "mode": "nearest"}),
+    "bilinear": (lambda n: (2, 3, n, n), {"scale_factor": 2, "mode": "bilinear"}),
+    "bicubic, corners aligned": (lambda n: (2, 3, n, n), {"scale_factor": 2, "mode": "bicubic", "align_corners": True}),
+    "nearest 3d": (lambda n: (1, 2, n, n, 3), {"scale_factor": 2, "mode": "nearest"}),
+    "trilinear": (lambda n: (1, 2, n, n, 3), {"scale_factor": 2, "mode": "trilinear"}),
+}
+
+
+@pytest.mark.parametrize("case", UPSAMPLING)
+def test_an_upsampling_step_at_changing_sizes_compiles_shape_generic(case):
+    """F.interpolate's gradients have C++ meta kernels only, which take concrete ints: the generic
+    trace failed ("Expected IntList but got GenericList") and the step ran eagerly at every size
+    (compiler/meta_kernels.py)."""
+    shape, keywords = UPSAMPLING[case]
+
+    def train(device: str, mode: str | None) -> list:
+        torch.manual_seed(0)
+        scale = torch.nn.Parameter(torch.ones(shape(4)[1], *[1] * (len(shape(4)) - 2), device=device))
+        optimizer = torch.optim.SGD([scale], lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+            for step in range(12):
+                x = torch.randn(shape(4 + 2 * (step % 3)), generator=generator).to(device)
+                loss = torch.nn.functional.interpolate(x * scale, **keywords).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                loss.item()
+        return [scale.detach().cpu()]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = train("cpu", None)
+        got = train("neuron", "adaptive")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(got[0], expected[0])
+    stats = tilewise.stats()
+    assert not [reason for (_, reason) in stats.fallbacks if reason.startswith("compile failed")], stats.report()
+    assert stats.ops_compiled > 2 * stats.ops_eager, stats.report()
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("op", meta_kernels.UPSAMPLE_GRADIENTS, ids=str)
+def test_upsampling_gradient_meta_kernels_agree_with_cpu_s(op, memory_format):
+    """The Python meta kernels give what the C++ meta kernel and the CPU kernel give: shape,
+    strides and dtype, for a contiguous and a channels-last gradient."""
+    spatial = {"1d": 1, "2d": 2, "3d": 3}[next(part for part in ("1d", "2d", "3d") if part in op.__name__)]
+    input_size, output_size = [2, 3, *[4] * spatial], [8] * spatial
+    grad = torch.randn(2, 3, *output_size, dtype=torch.float64)
+    if memory_format is torch.channels_last:
+        grad = grad.to(memory_format=torch.channels_last if spatial == 2 else torch.channels_last_3d) \
+            if spatial > 1 else grad.transpose(1, 2).contiguous().transpose(1, 2)
+    extra = [None] * spatial if "nearest" in op.__name__ else [False, *[None] * spatial]
+    cpu = op(grad, output_size, input_size, *extra)
+    cpp_meta = op(grad.to("meta"), output_size, input_size, *extra)
+    python_meta = op.py_kernels[torch._C.DispatchKey.Meta](grad.to("meta"), output_size, input_size, *extra)
+    for result in (cpp_meta, python_meta):
+        assert (result.shape, result.stride(), result.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)

@@ -24,9 +24,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..device.tensor import names_neuron
 from ..errors import CompileError
-from . import vml
+from . import meta_kernels, vml
 from .fused_optimizers import functional_fused_optimizers
 from .region import Region
+
+meta_kernels.install()  # before any trace: the symbolic ones need them
 
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
