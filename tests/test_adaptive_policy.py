@@ -102,7 +102,7 @@ aten = torch.ops.aten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", ["tensor_arg", "scalar_overload", "alpha", "foreach_alpha", "pow", "lerp",
-                                "foreach_lerp"])
+                                "foreach_lerp", "addcdiv_value", "addcmul_value"])
 def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
     def program(x, w, s):
         if op == "tensor_arg":
@@ -115,6 +115,10 @@ def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
             return tuple(torch._foreach_add([x, w], [w, x], alpha=s))
         if op == "pow":
             return (x.abs().pow(s),)
+        if op == "addcdiv_value":  # Adam's per-parameter update: value=-step_size, new every step
+            return (x.clone().addcdiv_(w, x.abs() + 1, value=-s / 3),)
+        if op == "addcmul_value":
+            return (torch.addcmul(x, w, x, value=s / 7) * 2,)
         if op == "foreach_lerp":
             a, b = x * 1, w * 1
             torch._foreach_lerp_([a, b], [w, x], s / 8)
@@ -131,17 +135,20 @@ def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
                 assert value.dtype == want.dtype
                 assert torch.equal(value, want), (step, (value.double() - want.double()).abs().max())  # bitwise
     stats = tilewise.stats()
-    if op in ("alpha", "foreach_alpha", "foreach_lerp") and dtype == torch.bfloat16 or op == "pow":
-        # In 16 bits addcmul rounds a 0-dim alpha to bfloat16 where CPU's add keeps it in float32,
+    if op in ("alpha", "foreach_alpha", "foreach_lerp", "addcdiv_value", "addcmul_value") and dtype == torch.bfloat16 \
+            or op == "pow":
+        # In 16 bits addcmul rounds a 0-dim alpha to bfloat16 where CPU's add keeps it in float32
+        # (and a product by value to bfloat16 where the kernel keeps value * t1 in float32),
         # and _foreach_lerp's List kernel rounds its weight otherwise than its Scalar kernel; pow by
         # a number special-cases exponents (2 is x * x, 0.5 sqrt) that pow by a tensor does not. So
         # the float stays a constant, the op eager while it changes
         dynamic = {name for name, reason in stats.fallbacks if reason.startswith("dynamic")}
         assert {"foreach_lerp": "_foreach_lerp_", "foreach_alpha": "_foreach_add", "alpha": "add",
-                "pow": "pow"}[op] in dynamic, stats.report()
+                "pow": "pow", "addcdiv_value": "addcdiv_", "addcmul_value": "addcmul"}[op] in dynamic, stats.report()
         return
     assert stats.compiles >= 1 and stats.cache_hits >= 3, stats.report()
     assert stats.compiles <= 2, stats.report()
+    assert not [name for name, reason in stats.fallbacks if reason.startswith("dynamic")], stats.report()
 
 
 def test_a_cycle_of_lengths_compiles_each_length_once_it_recurs():
@@ -255,3 +262,39 @@ def test_one_cycle_adam_with_accumulation_clipping_and_ema_compiles(mode):
     stats = tilewise.stats()  # the second half of the run
     assert compiles_before <= 6 and stats.compiles == 0, stats.report()
     assert stats.compiled_fraction >= 0.9, stats.report()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("optimizer", ["Adam for-loop", "NAdam"])
+def test_per_parameter_adam_steps_compile_their_changing_step_sizes(optimizer, mode):
+    """The per-parameter Adam and NAdam (NAdam's loop is neuron's default, as CPU's) give addcdiv_ a
+    new `value` every step (the bias-corrected step size): it enters the region as a tensor, so the
+    whole step compiles (it ran eagerly every step, and compiled mode hit its recompile limit)."""
+    make = {"Adam for-loop": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+            "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2)}[optimizer]
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    device_model = copy.deepcopy(cpu_model).to("neuron")
+
+    def train(model, device):
+        opt = make(model.parameters())
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            model(torch.randn(5, 6, generator=generator).to(device)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            tilewise.sync()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = train(cpu_model, "cpu")
+        with tilewise.engine(mode=mode):
+            got = train(device_model, "neuron")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    stats = tilewise.stats()
+    assert not stats.fallbacks, stats.report()
+    if mode == "compiled":
+        assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()

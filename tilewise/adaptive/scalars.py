@@ -23,6 +23,7 @@ class How(enum.Enum):
     TENSOR_OVERLOAD = "a Scalar argument of an overload with a Tensor twin: the twin, given a tensor"
     SCALE_OTHER = "alpha of add/sub: addcmul of the other operand and alpha (sub: -alpha)"
     LIST_OVERLOAD = "the weight of _foreach_lerp: the List overload, given the tensor once per element"
+    SCALE_FIRST = "value of addcmul/addcdiv: the first factor times value, then the op with value 1"
 
 
 class Lift(NamedTuple):
@@ -49,6 +50,12 @@ _SCALED_BY_ALPHA = {
     "_foreach_sub": _Fused(aten._foreach_addcmul.Scalar, True, True),
     "_foreach_sub_": _Fused(aten._foreach_addcmul_.Scalar, True, True),
 }
+# Ops whose `value` scales their first factor: CPU's kernels compute self + value * t1 * t2 (addcmul)
+# and self + value * t1 / t2 (addcdiv) with value * t1 first, so the op with t1 * value (value a
+# 0-dim tensor of the inputs' dtype) and value 1 is bitwise the same in float32 and float64 (checked
+# on 200 random cases each). Adam's and NAdam's per-parameter loops give a new value every step
+# (`param.addcdiv_(exp_avg, denom, value=-step_size)`), the loop NAdam runs on neuron as on CPU.
+_SCALED_FIRST = frozenset({"addcmul", "addcmul_", "addcdiv", "addcdiv_"})
 _TWINS = {"Scalar": "Tensor", "Tensor_Scalar": "Tensor_Tensor"}
 # Scalar overloads with no Tensor twin whose List overload takes a tensor per element instead (Adam's
 # `_foreach_lerp_(exp_avgs, grads, 1 - beta1)`, whose beta1 a OneCycleLR schedule changes every
@@ -74,7 +81,7 @@ def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
     lifts = []
     for position, argument in found:
         how = _how(func, argument, twin)
-        if how is None or how in (How.SCALE_OTHER, How.LIST_OVERLOAD) and not _wide(inputs):
+        if how is None or how in (How.SCALE_OTHER, How.LIST_OVERLOAD, How.SCALE_FIRST) and not _wide(inputs):
             return None
         lifts.append(Lift(position, how, dtype))
     return tuple(lifts)
@@ -136,6 +143,8 @@ def _how(func, argument, twin) -> How | None:
             return How.SCALE_OTHER if isinstance(other, torch.ListType) and \
                 isinstance(other.getElementType(), torch.TensorType) else None
         return How.SCALE_OTHER if isinstance(other, torch.TensorType) else None
+    if argument.name == "value" and func._overloadpacket.__name__ in _SCALED_FIRST:
+        return How.SCALE_FIRST
     index = func._schema.arguments.index(argument)
     if func in _SPECIAL_CASED:
         return None
@@ -170,6 +179,10 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
             alpha = graph.call_function(aten.neg.default, (scalar,)) if fused.negated else scalar
             return graph.call_function(fused.op, (args[0], args[1], [alpha] * len(args[1]) if fused.per_tensor
                                                   else alpha), kwargs)
+        if lift.how is How.SCALE_FIRST:  # value: the only float of these ops
+            _pop(args, kwargs, lift.position)
+            args[1] = graph.call_function(aten.mul.Tensor, (args[1], scalar))
+            return graph.call_function(func, tuple(args), kwargs)
         if lift.how is How.LIST_OVERLOAD:
             _put(args, kwargs, lift.position, [scalar] * len(args[0]))
         else:
