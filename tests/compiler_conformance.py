@@ -9,8 +9,10 @@ scripts/compiler_opinfo_sweep.py (every op). A sample's outcome is one of:
   EAGER_ONLY  the engine never compiles it: a data-dependent op (make_fx cannot trace a read of
               data, an output shape that depends on it), a random op (drawn eagerly, in eager's
               order) or an uninitialised allocation (`empty`: its values are garbage)
-  NEEDS_DATA  compiling refuses it: the compile-time smoke run on zeros fails (a Cholesky of a
-              zero matrix, say), so the engine runs that region eagerly
+  NEEDS_DATA  compiling refuses it: the compile-time smoke run on zeros fails for the decomposed
+              graph but not for the recorded ops, so the engine runs that region eagerly (where
+              the recorded ops refuse zeros too, a Cholesky of a zero matrix, lu_solve's zero
+              pivots, the region compiles and keeps its recorded graph)
 """
 from __future__ import annotations
 

@@ -179,3 +179,61 @@ def test_the_disk_cache_keeps_within_its_limit_deleting_the_least_recently_used(
         compile_graph(graphs[1], [x])  # evicted: compiled again, and kept again
         assert cache.stats.compiles == compiles + 1 and names[1] in os.listdir(directory)
     cache.clear_memory()
+
+
+def test_a_region_whose_own_ops_refuse_zeros_compiles_and_keeps_its_recorded_graph(tmp_path, monkeypatch):
+    """The compile-time smoke run feeds zeros; lu_solve refuses zero pivots on the CPU as well, so
+    a zero run says nothing of the decomposition: the region compiles (a linalg.solve step's
+    backward failed to, and ran eagerly), runs its recorded graph, never builds C from the
+    unchecked decomposed graph, and a disk cache entry keeps that."""
+    torch.manual_seed(0)
+    A, b, x = torch.randn(3, 4, 4) + 4 * torch.eye(4), torch.randn(3, 4, 2), torch.randn(130, 20)
+    LU, pivots = torch.linalg.lu_factor(A)
+    # with a part the C tier builds a kernel for (it does, were the region checked)
+    fn = lambda LU, pivots, b, x: (torch.linalg.lu_solve(LU, pivots, b) * 2, x.tanh() * 2 + x.sigmoid())  # noqa: E731
+    inputs = [LU, pivots, b, x]
+    monkeypatch.setenv("TILEWISE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TILEWISE_CACHE_KEY_FILE", str(tmp_path / "cache.key"))
+    with tilewise.config.patch(host_backend="native"):
+        for served_from_disk in (False, True):
+            cache.clear_memory()
+            disk_hits = cache.stats.disk_hits
+            compiled = compile_graph(make_fx(fn)(*inputs), inputs, native_after_runs=1)
+            assert compiled.unchecked and compiled.native.kernels
+            for _ in range(3):
+                got = compiled.run(*inputs)
+            assert all(torch.equal(g, e) for g, e in zip(got, fn(*inputs)))
+            assert compiled.wait_native(30).value == "torch"
+            assert cache.stats.disk_hits == disk_hits + served_from_disk
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_linalg_solve_step_compiles_with_cpu_s_values(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 16)
+    device_model = torch.nn.Linear(4, 16).to("neuron")
+    device_model.load_state_dict(model.state_dict())
+
+    def train(model, device):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            A = model(torch.randn(3, 4, generator=generator).to(device)).view(3, 4, 4) + 4 * torch.eye(4).to(device)
+            loss = torch.linalg.solve(A, torch.ones(3, 4, 1).to(device)).pow(2).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss.item()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = train(model, "cpu")
+        with tilewise.engine(mode=mode):
+            got = train(device_model, "neuron")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    stats = tilewise.stats()
+    assert stats.ops_compiled > 0
+    assert not [reason for (_, reason) in stats.fallbacks if reason.startswith("compile failed")], stats.report()

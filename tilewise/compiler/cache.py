@@ -164,7 +164,7 @@ def entry_payload(key: str, compiled: CompiledRegion) -> bytes:
         "key": key, "version": COMPILER_VERSION, "name": compiled.name, "graph": graph_to_json(compiled.gm),
         "launches": [launch_to_json(launch) for launch in compiled.launches], "cost": compiled.cost,
         "refused": compiled.refused, "passes": compiled.passes_text,
-        "compile_seconds": compiled.compile_seconds,
+        "compile_seconds": compiled.compile_seconds, "unchecked": compiled.unchecked,
     }).encode()
 
 
@@ -213,10 +213,13 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, 
             raise CompileError("entry for another key or compiler version")
         gm, renamed = graph_from_json(entry["graph"])
         launches = tuple(launch_from_json(launch, renamed) for launch in entry["launches"])
-        return CompiledRegion(_text(entry["name"]), gm, launches, Later(functools.partial(generate, launches)),
-                              [cost_from_json(c) for c in entry["cost"]],
-                              [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
-                              float(entry["compile_seconds"]), spec, source_graph(source, example_inputs))
+        compiled = CompiledRegion(_text(entry["name"]), gm, launches, Later(functools.partial(generate, launches)),
+                                  [cost_from_json(c) for c in entry["cost"]],
+                                  [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
+                                  float(entry["compile_seconds"]), spec, source_graph(source, example_inputs))
+        if entry.get("unchecked", False) is not False:  # an entry written before the field: checked
+            compiled.keep_recorded_graph()
+        return compiled
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None
 

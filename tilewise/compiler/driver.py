@@ -59,6 +59,7 @@ class CompiledRegion:
         self.compile_seconds = compile_seconds
         self.source = source
         self._host = HostExecutable(gm, native, source)
+        self.unchecked = False
 
     @property
     def native(self) -> NativeProgram:
@@ -74,6 +75,12 @@ class CompiledRegion:
     def run_torch(self, *inputs) -> tuple:
         """The decomposed graph on PyTorch, whatever the tier (the reference the native one is held to)."""
         return self._host.torch_forward(*inputs)
+
+    def keep_recorded_graph(self) -> None:
+        """Never build the C tier: the decomposed graph it is made of is unchecked (the smoke run
+        said nothing of it). Kept with the entry in the disk cache and over the compile process's wire."""
+        self.unchecked = True
+        self._host.buildable = False
 
     def start_native(self) -> None:
         """Start building the native executable in the background now; `run` switches when it is ready."""
@@ -186,19 +193,37 @@ def _host_target(target):
 
 
 def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
-    """Run the decomposed graph once on zeros shaped as the example inputs: a decomposition that
-    cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
-    full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
-    cache hit. Skipped for fake, meta and symbolic inputs (tracing-time compiles)."""
-    from ..errors import CompileError
+    """Run the decomposed graph once on zeros shaped as the example inputs (smoke_run). Skipped
+    for fake, meta and symbolic inputs (tracing-time compiles)."""
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return
+    if not smoke_run(compiled.run_torch, compiled.source, example_inputs, "compiled"):
+        compiled.keep_recorded_graph()
+
+
+def smoke_run(decomposed, recorded, example_inputs, kind: str) -> bool:
+    """Run the decomposed graph once on zeros of the example inputs' layout: a decomposition that
+    cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
+    full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
+    cache hit. Unless the recorded ops fail on those zeros too: then the zeros are what the
+    program's own ops refuse (lu_solve's pivots are at least 1; a linalg.solve step's backward
+    failed to compile), and the run says nothing of the decomposition: False (True: it ran)."""
+    from ..errors import CompileError
+
+    def zeros():
+        return [_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
     try:
-        compiled.run_torch(*[_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        decomposed(*zeros())
     except Exception as error:
-        raise CompileError(f"the compiled region fails on its example inputs: {type(error).__name__}: "
+        try:
+            recorded(*zeros())
+        except Exception:  # noqa: BLE001  (the zeros' fault, whatever the recorded ops raise)
+            return False
+        raise CompileError(f"the {kind} region fails on its example inputs: {type(error).__name__}: "
                            f"{error}") from error
+    return True
 
 
 def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:

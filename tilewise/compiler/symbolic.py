@@ -42,7 +42,7 @@ from ..device.spec import DeviceSpec
 from ..errors import CompileError
 from ..reasons import Reason, Why
 from . import decompose
-from .driver import PASSES, _zeros_like_layout, source_graph
+from .driver import PASSES, smoke_run, source_graph
 from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
 from .region import Region, format_graph
 
@@ -210,7 +210,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     generic = GenericRegion(name, traced, source_graph(gm), guards, symbols, dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
-    _smoke_run(generic, example_inputs)
+    smoke_run(generic.run_torch, generic.source, example_inputs, "generic")
     generic.specialise(example_inputs)
     generic.compile_seconds = time.perf_counter() - started
     return generic
@@ -260,15 +260,6 @@ def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode
         symbol = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
         return shape_env.create_symintnode(symbol, hint=value, source=source)
     return value
-
-
-def _smoke_run(generic: GenericRegion, example_inputs) -> None:
-    """Run the symbolic graph once on zeros of the example's layout (as driver._smoke_run does for
-    static regions): a failure is a compile failure now, not an error at a later call."""
-    try:
-        generic.run_torch(*[_zeros_like_layout(v) if isinstance(v, torch.Tensor) else v for v in example_inputs])
-    except Exception as error:
-        raise CompileError(f"the generic region fails on its example inputs: {type(error).__name__}: {error}") from error
 
 
 def _size_key(inputs) -> tuple:
