@@ -298,3 +298,47 @@ def test_per_parameter_adam_steps_compile_their_changing_step_sizes(optimizer, m
     assert not stats.fallbacks, stats.report()
     if mode == "compiled":
         assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "Adagrad"])
+def test_a_scheduled_learning_rate_of_a_fused_optimizer_enters_the_region_as_a_tensor(optimizer, mode):
+    """`fused=True` with a schedule: the fused op's float `lr` changes every step. It is recorded
+    as the op's tensor_lr overload from the first step (CPU's kernels read it as a double: same
+    values), so the step compiles once (the op ran eagerly every step)."""
+    make = {"AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+            "SGD": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+            "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True)}[optimizer]
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    device_model = copy.deepcopy(cpu_model).to("neuron")
+
+    def train(model, device):
+        opt = make(model.parameters())
+        # warm-up, then cosine: the rate alone changes (OneCycleLR cycles the momentum too, beta1 or
+        # SGD's momentum, which the fused ops take as floats only: the op stays eager meanwhile)
+        schedule = torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)], milestones=[4])
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            model(torch.randn(5, 6, generator=generator).to(device)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+            tilewise.sync()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = train(cpu_model, "cpu")
+        with tilewise.engine(mode=mode):
+            got = train(device_model, "neuron")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    stats = tilewise.stats()
+    assert not stats.fallbacks, stats.report()
+    assert stats.compiles <= 2, stats.report()
+    if mode == "compiled":
+        assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()

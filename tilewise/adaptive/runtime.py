@@ -55,8 +55,9 @@ class OpInfo(NamedTuple):
     func: object
     runs_now: Reason | None   # why it must run eagerly, whatever was recorded before it
     random: bool              # draws random numbers
-    # (func, args) -> (func, args) as recorded: a list of floats as CPU tensors (scalars.SCALAR_LISTS),
-    # host index tensors uploaded (executor.INDEXING); None for most ops
+    # (func, args, kwargs) -> (func, args, kwargs) as recorded: a list of floats as CPU tensors
+    # (scalars.SCALAR_LISTS), a fused optimizer's learning rate too (scalars.FUSED_LR), host index
+    # tensors uploaded (executor.INDEXING); None for most ops
     rewrite: Callable | None
     decomposed: bool          # recorded as its aten ops (eager/plan.py, OpPlan.implicit)
     special: bool             # rewritten or decomposed: dispatch's slow path
@@ -132,7 +133,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             info = self._info(func)
             if info.decomposed:
                 return self._decomposed(func, args, kwargs, settings)
-            func, args, info = self._rewritten(info, args)
+            func, args, kwargs, info = self._rewritten(info, args, kwargs)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
             if settings is not self.segment.settings and self.segment.nodes:
@@ -172,13 +173,13 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     return result
             return self._eagerly(func, args, kwargs, reason)
 
-    def _rewritten(self, info: OpInfo, args) -> tuple:
+    def _rewritten(self, info: OpInfo, args, kwargs) -> tuple:
         """The op, its arguments and its OpInfo, rewritten as the op's OpInfo.rewrite says."""
         func = info.func
         if info.rewrite is not None:
-            func, args = info.rewrite(func, args)
+            func, args, kwargs = info.rewrite(func, args, kwargs)
             info = self._info(func)
-        return func, args, info
+        return func, args, kwargs, info
 
     def _decomposed(self, func, args, kwargs, settings: Settings):
         """An op that reaches the device whole only where autograd is off, run as autograd runs
@@ -432,7 +433,13 @@ def _rewrite_of(func) -> Callable | None:
     lift = scalars.SCALAR_LISTS.get(func)
     if lift is not None:
         return functools.partial(scalars.lift_scalar_list, lift=lift)
-    return indices_on_device if func in INDEXING else None
+    if func in scalars.FUSED_LR:
+        return scalars.lr_as_tensor
+    return _indices_on_device if func in INDEXING else None
+
+
+def _indices_on_device(func, args, kwargs) -> tuple:
+    return *indices_on_device(func, args), kwargs
 
 
 def _flat(values):
