@@ -198,7 +198,8 @@ def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return
-    if not smoke_run(compiled.run_torch, compiled.source, example_inputs, "compiled"):
+    # the module's forward, not the module: a failing GraphModule call prints its traceback to stderr
+    if not smoke_run(compiled.run_torch, compiled.source.forward, example_inputs, "compiled"):
         compiled.keep_recorded_graph()
 
 
@@ -216,14 +217,15 @@ def smoke_run(decomposed, recorded, example_inputs, kind: str) -> bool:
 
     try:
         decomposed(*zeros())
-    except Exception as error:
-        try:
-            recorded(*zeros())
-        except Exception:  # noqa: BLE001  (the zeros' fault, whatever the recorded ops raise)
-            return False
-        raise CompileError(f"the {kind} region fails on its example inputs: {type(error).__name__}: "
-                           f"{error}") from error
-    return True
+        return True
+    except Exception as error:  # noqa: BLE001
+        failure = error
+    try:
+        recorded(*zeros())
+    except Exception:  # noqa: BLE001  (the zeros' fault, whatever the recorded ops raise)
+        return False
+    raise CompileError(f"the {kind} region fails on its example inputs: {type(failure).__name__}: "
+                       f"{failure}") from failure
 
 
 def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:
