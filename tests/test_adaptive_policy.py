@@ -264,25 +264,23 @@ def test_one_cycle_adam_with_accumulation_clipping_and_ema_compiles(mode):
     assert stats.compiled_fraction >= 0.9, stats.report()
 
 
-@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
-@pytest.mark.parametrize("optimizer", ["Adam for-loop", "NAdam"])
-def test_per_parameter_adam_steps_compile_their_changing_step_sizes(optimizer, mode):
-    """The per-parameter Adam and NAdam (NAdam's loop is neuron's default, as CPU's) give addcdiv_ a
-    new `value` every step (the bias-corrected step size): it enters the region as a tensor, so the
-    whole step compiles (it ran eagerly every step, and compiled mode hit its recompile limit)."""
-    make = {"Adam for-loop": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
-            "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2)}[optimizer]
+def _trained_on_cpu_and_neuron(make_optimizer, mode: str, make_schedule=None) -> tuple[list, list]:
+    """(neuron's parameters, CPU's) after 12 steps of a small MLP, with the optimizer (and its
+    schedule), under deterministic algorithms (regions on their recorded graphs: bitwise)."""
     torch.manual_seed(0)
     cpu_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     device_model = copy.deepcopy(cpu_model).to("neuron")
 
     def train(model, device):
-        opt = make(model.parameters())
+        opt = make_optimizer(model.parameters())
+        schedule = make_schedule(opt) if make_schedule else None
         generator = torch.Generator().manual_seed(1)
         for _ in range(12):
             model(torch.randn(5, 6, generator=generator).to(device)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
+            if schedule is not None:
+                schedule.step()
             tilewise.sync()
         return [p.detach().cpu() for p in model.parameters()]
 
@@ -293,6 +291,18 @@ def test_per_parameter_adam_steps_compile_their_changing_step_sizes(optimizer, m
             got = train(device_model, "neuron")
     finally:
         torch.use_deterministic_algorithms(False)
+    return got, expected
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("optimizer", ["Adam for-loop", "NAdam"])
+def test_per_parameter_adam_steps_compile_their_changing_step_sizes(optimizer, mode):
+    """The per-parameter Adam and NAdam (NAdam's loop is neuron's default, as CPU's) give addcdiv_ a
+    new `value` every step (the bias-corrected step size): it enters the region as a tensor, so the
+    whole step compiles (it ran eagerly every step, and compiled mode hit its recompile limit)."""
+    make = {"Adam for-loop": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+            "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2)}[optimizer]
+    got, expected = _trained_on_cpu_and_neuron(make, mode)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     stats = tilewise.stats()
     assert not stats.fallbacks, stats.report()
@@ -309,33 +319,15 @@ def test_a_scheduled_learning_rate_of_a_fused_optimizer_enters_the_region_as_a_t
     make = {"AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
             "SGD": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
             "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True)}[optimizer]
-    torch.manual_seed(0)
-    cpu_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    device_model = copy.deepcopy(cpu_model).to("neuron")
 
-    def train(model, device):
-        opt = make(model.parameters())
-        # warm-up, then cosine: the rate alone changes (OneCycleLR cycles the momentum too, beta1 or
-        # SGD's momentum, which the fused ops take as floats only: the op stays eager meanwhile)
-        schedule = torch.optim.lr_scheduler.SequentialLR(opt, [
+    def warm_up_then_cosine(opt):
+        # the rate alone changes (OneCycleLR cycles the momentum too, beta1 or SGD's momentum,
+        # which the fused ops take as floats only: the op stays eager meanwhile)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [
             torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
             torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)], milestones=[4])
-        generator = torch.Generator().manual_seed(1)
-        for _ in range(12):
-            model(torch.randn(5, 6, generator=generator).to(device)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            schedule.step()
-            tilewise.sync()
-        return [p.detach().cpu() for p in model.parameters()]
 
-    torch.use_deterministic_algorithms(True)
-    try:
-        expected = train(cpu_model, "cpu")
-        with tilewise.engine(mode=mode):
-            got = train(device_model, "neuron")
-    finally:
-        torch.use_deterministic_algorithms(False)
+    got, expected = _trained_on_cpu_and_neuron(make, mode, warm_up_then_cosine)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     stats = tilewise.stats()
     assert not stats.fallbacks, stats.report()
