@@ -383,3 +383,39 @@ def test_group_norm_gradients_take_cpu_s_memory_format(case, mode, deterministic
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     if mode == "compiled":
         assert compiled > 0
+
+
+MATMUL = {  # name -> (shapes, which operands require grad)
+    "3-d by a batch of one": (((5, 5, 5), (1, 5, 5)), (False, False)),
+    "a batch of one by 3-d": (((1, 4, 3), (6, 3, 2)), (False, False)),
+    "a batch of one by 3-d, the other requiring grad": (((1, 4, 3), (6, 3, 2)), (False, True)),
+    "a batch of one requiring grad": (((5, 5, 5), (1, 5, 5)), (True, True)),
+    "1-d by 3-d": (((10,), (5, 10, 5)), (False, False)),
+    "1-d by 4-d": (((10,), (5, 5, 10, 5)), (True, False)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", MATMUL)
+def test_matmul_takes_cpu_s_branch(case, mode, deterministic_algorithms):
+    """ATen's matmul folds a batch of one into `mm` for a tensor subclass where CPU expands it and
+    runs `bmm` (1.5e-5 apart); and PyTorch's Python matmul, which OpOverload.decompose() would run,
+    folds a 1-d by 3-d product otherwise than ATen's. Outputs and gradients bitwise CPU's."""
+    shapes, requires_grad = MATMUL[case]
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+
+    def product_and_grads(a, b):
+        a, b = (t.detach().requires_grad_(g) for t, g in zip((a, b), requires_grad))
+        out = torch.matmul(a, b)
+        wanted = [t for t in (a, b) if t.requires_grad]
+        grads = torch.autograd.grad(out, wanted, torch.ones_like(out)) if wanted else ()
+        return [t.detach().cpu() for t in (out, *grads)]
+
+    expected = product_and_grads(*inputs)
+    with tilewise.engine(mode=mode):
+        got = product_and_grads(*[t.to("neuron") for t in inputs])
+        compiled = tilewise.stats().ops_compiled
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    if mode == "compiled":
+        assert compiled > 0

@@ -217,7 +217,7 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, 
                                   [cost_from_json(c) for c in entry["cost"]],
                                   [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
                                   float(entry["compile_seconds"]), spec, source_graph(source, example_inputs))
-        if entry.get("unchecked", False) is not False:  # an entry written before the field: checked
+        if entry.get("unchecked", False) is not False:  # absent from entries older than it: checked ones
             compiled.keep_recorded_graph()
         return compiled
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it

@@ -6,7 +6,7 @@ PrivateUse1 tensor elsewhere than a CPU tensor, above the Python dispatch key th
 one derivative formula branches on it, and three more places pick an algorithm by device type in
 Python (found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples,
 Hugging Face models, RNNs, CNNs and optimizers, and by reading PyTorch's Python and derivatives.yaml
-for device-type branches); `install` sets up all nine:
+for device-type branches); `install` sets up all ten:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
@@ -40,6 +40,12 @@ for device-type branches); `install` sets up all nine:
   (`linalg.svdvals`, `eigvalsh`, `cond`, the nuclear norm). Registered at AutogradPrivateUse1,
   they ask for the vectors where CPU does (grad mode on and the input requiring grad, or a
   forward-mode gradient).
+- `matmul` of two 3-d tensors whose batch sizes differ, one of them 1: ATen's composite squeezes
+  that batch dimension away and folds the other into one `mm` where the tensor requires grad *or is
+  a tensor subclass*, else it expands it and runs `bmm`. The neuron tensor is a subclass, so a
+  (5, 5, 5) @ (1, 5, 5) product without gradients took `mm` where CPU takes `bmm`: 1.5e-5 apart
+  (MKL's two kernels sum otherwise; the OpInfo sweep's matmul sample 14). Registered at
+  AutogradPrivateUse1 (`matmul` is a composite), that case runs CPU's expand and `bmm`.
 - `group_norm`'s gradient (derivatives.yaml): on CPU, `native_group_norm_backward` gets the
   gradient and the input in the input's memory format, on any other device (XPU aside) both made
   contiguous first. CPU's kernel has a channels-last path that sums in another order, so a
@@ -158,6 +164,30 @@ def _may_require_grad(tensor) -> bool:
         torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None
 
 
+def matmul(tensor1, tensor2):
+    if not _cpu_expands_a_batch_of_one(tensor1, tensor2):
+        # ATen's composite, not OpOverload.decompose(): that runs PyTorch's Python matmul, which
+        # folds otherwise (a 1-d by 3-d product: 1.5e-5 off CPU's)
+        return aten.matmul.default._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, tensor1, tensor2)
+    (batch1, n, m), (batch2, _, p) = tensor1.shape, tensor2.shape
+    batch = max(batch1, batch2)
+    expanded1 = aten.reshape.default(aten.expand.default(tensor1, [batch, n, m]), [batch, n, m])
+    expanded2 = aten.reshape.default(aten.expand.default(tensor2, [batch, m, p]), [batch, m, p])
+    return aten._unsafe_view.default(aten.bmm.default(expanded1, expanded2), [batch, n, p])
+
+
+def _cpu_expands_a_batch_of_one(tensor1, tensor2) -> bool:
+    """Whether CPU's matmul takes its expand-and-bmm branch where a subclass takes squeeze-and-mm:
+    3-d by 3-d, batch sizes apart, the one of size 1 not requiring grad (ATen's _matmul_impl)."""
+    if not (type(tensor1) is NeuronTensor and type(tensor2) is NeuronTensor and tensor1.dim() == tensor2.dim() == 3):
+        return False
+    batch1, batch2 = tensor1.shape[0], tensor2.shape[0]
+    if batch1 == batch2:
+        return False
+    one = tensor1 if batch1 == 1 else tensor2 if batch2 == 1 else None
+    return one is not None and not one.requires_grad
+
+
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True):
     tensors = [t for t in (input, weight, bias) if t is not None]
     if not (type(input) is NeuronTensor and suggest_memory_format(input) != torch.contiguous_format
@@ -267,6 +297,7 @@ def install() -> None:
     _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     _library.impl("dropout", dropout, "AutogradPrivateUse1")
     _library.impl("group_norm", group_norm, "AutogradPrivateUse1")
+    _library.impl("matmul", matmul, "AutogradPrivateUse1")
     _library.impl("linalg_svdvals", linalg_svdvals, "AutogradPrivateUse1")
     _library.impl("linalg_eigvalsh", linalg_eigvalsh, "AutogradPrivateUse1")
     cpu_rnn.install(_library)
