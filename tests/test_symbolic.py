@@ -444,3 +444,20 @@ def test_upsampling_gradient_meta_kernels_agree_with_cpu_s(op, memory_format):
     python_meta = op.py_kernels[torch._C.DispatchKey.Meta](grad.to("meta"), output_size, input_size, *extra)
     for result in (cpp_meta, python_meta):
         assert (result.shape, result.stride(), result.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+
+
+def test_std_with_a_correction_at_changing_sizes_compiles_shape_generic():
+    """std's decomposition makes a size a float (the divisor, with its correction): the parametric
+    program's expressions called torch.sym_float (and named a symbol of the passes' own), and it
+    failed at its first evaluation ("name 'torch' is not defined"); the region ran eagerly."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        with tilewise.engine(mode="adaptive"):
+            for step in range(9):
+                x = torch.randn(3, 5 + step % 3, generator=torch.Generator().manual_seed(step))
+                assert torch.equal((x.to("neuron").std(dim=1, correction=2) * 2).cpu(), x.std(dim=1, correction=2) * 2)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    stats = tilewise.stats()
+    assert not [reason for (_, reason) in stats.fallbacks if reason.startswith("compile failed")], stats.report()
+    assert stats.ops_compiled > 0, stats.report()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import warnings
 from typing import NamedTuple
 
@@ -29,6 +30,12 @@ from .cost import launch_cost, opaque_calls
 from .region import Region
 from .sizes import frozen, recording_guards
 from .tile_ir import HbmRef, Kernel, Launch, TileOp
+
+
+# the modules PythonPrinter's text calls into (math.floor, torch.sym_float for a size made a float:
+# std's divisor with a correction; without them the program failed to evaluate, "name 'torch' is
+# not defined", and the region ran eagerly)
+_PRINTED_NAMES = {"math": math, "torch": torch}
 
 
 class _Renaming(PythonPrinter):
@@ -84,13 +91,19 @@ class ParametricProgram:
         self._stages: tuple = (None, {})  # (DeviceSpec, stages of the shared kernels costed for it)
         # printed with the symbols renamed, not substituted: substituting rebuilds (and so
         # simplifies) every expression, and sympy simplifies a Max of sums at length
-        printer = _Renaming({symbols[symbol]: f"s_{i}" for i, symbol in enumerate(order)})
+        names = {symbols[symbol]: f"s_{i}" for i, symbol in enumerate(order)}
+        # a symbol the passes made of their own (std's divisor as a float) is no size of the region:
+        # checked now, or the program failed at its first evaluation ("name 's3' is not defined")
+        others = {str(s) for e in (*guards, *exprs) for s in getattr(e, "free_symbols", ())} - set(map(str, names))
+        if others:
+            raise ValueError(f"symbols that are no size of the region: {', '.join(sorted(others))}")
+        printer = _Renaming(names)
         args = ", ".join(f"s_{i}" for i in range(len(order)))
         self.guard_text = " and ".join(f"({printer.doprint(g)})" for g in guards) or "True"
         values = "".join(printer.doprint(e) + ", " for e in exprs)
         # compiled once: a size is admitted and evaluated by two calls of plain Python arithmetic
-        self._admits = eval(f"lambda {args}: {self.guard_text}", {})
-        self._values = eval(f"lambda {args}: ({values})", {})
+        self._admits = eval(f"lambda {args}: {self.guard_text}", dict(_PRINTED_NAMES))
+        self._values = eval(f"lambda {args}: ({values})", dict(_PRINTED_NAMES))
 
     def admits(self, values: dict) -> bool:
         try:
