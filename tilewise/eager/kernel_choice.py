@@ -4,9 +4,9 @@ The device runs every op on its host buffers with CPU's kernels, so it computes 
 bitwise, as long as the ops that reach it are the ones CPU runs. Six places in PyTorch send a
 PrivateUse1 tensor (or a tensor subclass) elsewhere than a CPU tensor, above the Python dispatch
 key the device sees ops at, one derivative formula branches on the device, and three more places
-pick an algorithm by device type in Python (found by comparing the ops and values CPU and neuron give for PyTorch's OpInfo samples,
-Hugging Face models, RNNs, CNNs and optimizers, and by reading PyTorch's Python and derivatives.yaml
-for device-type branches); `install` sets up all ten:
+pick an algorithm by device type in Python (found by comparing the ops and values CPU and neuron
+give for PyTorch's OpInfo samples, Hugging Face models, RNNs, CNNs and optimizers, and by reading
+PyTorch's Python and derivatives.yaml for device-type branches); `install` sets up all ten:
 
 - Ops with a CPU kernel and a CompositeImplicitAutograd one for every other backend
   (`silu_backward`, `mish_backward`, `native_channel_shuffle`): the dispatcher gives a backend
