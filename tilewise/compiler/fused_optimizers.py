@@ -24,8 +24,8 @@ aten = torch.ops.aten
 NAMESPACE = "tilewise_fused"
 
 # in-place op -> functional twin, for the overloads ATen's twin has
-_ATEN_TWINS = {getattr(aten._fused_adam_, name): getattr(aten._fused_adam, name) for name in ("default", "tensor_lr")}
-_ATEN_TWINS.update({getattr(aten._fused_adamw_, name): getattr(aten._fused_adamw, name) for name in ("default", "tensor_lr")})
+_ATEN_TWINS = {getattr(getattr(aten, f"{op}_"), overload): getattr(getattr(aten, op), overload)
+               for op in ("_fused_adam", "_fused_adamw") for overload in ("default", "tensor_lr")}
 _WITHOUT_TWIN = [getattr(packet, name) for packet in (aten._fused_sgd_, aten._fused_adagrad_) for name in packet.overloads()]
 
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")

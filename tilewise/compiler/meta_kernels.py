@@ -8,9 +8,9 @@ region's generic compile fail, and every step ran eagerly. PyTorch has a Python 
 2-d nearest gradient only; the others get one here: the input's size in the gradient's dtype,
 contiguous or, for the bilinear and trilinear gradients, in the gradient's suggested memory format,
 as ATen's structured meta functions give them (tests hold these to the C++ meta kernels and to the
-CPU kernels). Registered as PyTorch registers its own Python
-meta kernels (`py_impl(Meta)`): they answer only where the Python dispatcher is on, i.e. while
-make_fx traces; PyTorch's own eager meta calls keep the C++ kernels.
+CPU kernels). Registered as PyTorch registers its own Python meta kernels (`py_impl(Meta)`): they
+answer only where the Python dispatcher is on, i.e. while make_fx traces; PyTorch's own eager meta
+calls keep the C++ kernels.
 """
 from __future__ import annotations
 
