@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -682,6 +683,21 @@ def test_native_library_is_kept_on_disk_authenticated_and_a_tampered_one_is_neve
         assert built == [1] and cache.stats.corrupt >= 1
         assert torch.equal(again.run(x)[0], fn(x))
 
+
+
+def test_loading_native_code_leaves_no_directory_behind_even_without_atexit(tmp_path):
+    """A process that ends without its atexit handlers (a compile process killed at shutdown, a
+    forked child's os._exit) left its private library directory in the temporary directory."""
+    script = (
+        "import os, torch, tilewise\n"
+        "from tilewise.compiler import native\n"
+        "source = 'int tilewise_probe(void) { return 7; }'\n"
+        "assert native.load(source).tilewise_probe() == 7\n"
+        "os._exit(0)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), TILEWISE_CACHE_DIR="off")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 # -- the compiler's OpInfo samples with native on ---------------------------------------------------
 

@@ -162,29 +162,26 @@ def load(source: str, where=None) -> ctypes.PyDLL:
 
 
 def _open_bytes(data: bytes, key: str) -> ctypes.PyDLL:
-    """dlopen exactly these bytes: written to a file named by their key in this process's private
-    directory (0700, mkdtemp), loaded, then unlinked, so no one else can swap the file in between.
-    dlopen knows a library by its path, hence one name per key. PyDLL keeps the GIL held during a
-    call, which also serialises the kernels' static scratch buffers."""
-    path = os.path.join(_private_directory(), f"{key}.so")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        return ctypes.PyDLL(path)
-    finally:
-        os.unlink(path)
-
-
-@functools.lru_cache(maxsize=1)
-def _private_directory() -> str:
-    path = tempfile.mkdtemp(prefix="tilewise-native-")
-    atexit.register(shutil.rmtree, path, True)
-    atexit.register(EXITING.set)  # runs first (last in, first out): a build the exit cuts short is no failure
-    return path
+    """dlopen exactly these bytes: written to a file named by their key in a private directory
+    (0700, mkdtemp), loaded, then unlinked, so no one else can swap the file in between. dlopen
+    knows a library by its path, hence one name per key. The directory is made and removed per
+    library, not kept for the process: a process that ends without running its atexit handlers
+    (a compile process killed at shutdown, a forked child's os._exit) left one behind in the
+    temporary directory every time. PyDLL keeps the GIL held during a call, which also serialises
+    the kernels' static scratch buffers."""
+    with tempfile.TemporaryDirectory(prefix="tilewise-native-") as directory:
+        path = os.path.join(directory, f"{key}.so")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            return ctypes.PyDLL(path)
+        finally:
+            os.unlink(path)
 
 
 EXITING = threading.Event()  # the interpreter is exiting: builds still queued are abandoned quietly
+atexit.register(EXITING.set)
 
 
 # -- the mixed executable ------------------------------------------------------------------------
