@@ -1,5 +1,7 @@
 """The adaptive engine against plain CPU PyTorch: same numbers in every mode, and compilation that
 really happens (counted in the statistics) where the issue says it must."""
+import contextlib
+
 import pytest
 import torch
 
@@ -191,6 +193,37 @@ def test_a_fused_attention_kernel_without_dropout_records_and_compiles():
     stats = tilewise.stats()
     assert stats.random_draws == 0 and stats.ops_compiled >= 3, stats.report()
 
+
+
+def _fused_qkv_gradient(device: str, mode: str | None, steps: int = 3) -> list[torch.Tensor]:
+    """BLOOM's attention in small: one projection viewed as (batch, length, heads, 3, dim), each
+    of query and key selected from it and transposed. Its gradient is select_backward of
+    transposed gradients, whose decomposition lays its result out as the gradient is (not
+    contiguous, as CPU's kernel does), and the gradient's view back to (batch, length, 48) was
+    recorded on CPU's layout."""
+    torch.manual_seed(0)
+    base = torch.randn(2, 8, 48).to(device).requires_grad_()
+    weight = torch.randn(2, 2, 8, 8).to(device)
+    grads = []
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        for _ in range(steps):
+            qkv = (base * 2).view(2, 8, 2, 3, 8)
+            query, key = qkv[..., 0, :].transpose(1, 2), qkv[..., 1, :].transpose(1, 2)
+            ((query @ key.transpose(-1, -2)) * weight).sum().backward()
+            grads.append(base.grad.cpu())
+            base.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_decomposition_laid_out_otherwise_than_cpu_s_kernel_still_compiles(mode):
+    expected = _fused_qkv_gradient("cpu", None)
+    got = _fused_qkv_gradient("neuron", mode, steps=tilewise.config.threshold + 2)
+    for g in got:
+        assert torch.equal(g, expected[0])
+    stats = tilewise.stats()
+    assert not [key for key in stats.fallbacks if "compile failed" in key[1]], stats.report()
+    assert stats.ops_compiled > 0, stats.report()
 
 def test_views_and_inplace_through_views_stay_eager_semantics():
     base = torch.randn(6, 6)

@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import tilewise
 from tilewise.compiler import cache, compile_graph, serialize
 from tilewise.compiler import disk as disk_files  # `disk` is the fixture below
+from tilewise.compiler.decompose import RECORDED_STRIDES
 
 def _fn(x):
     return torch.tanh(x) * 2 + 1
@@ -301,6 +302,28 @@ def test_keywords_must_be_the_ops_own_arguments():
     with pytest.raises(tilewise.TilewiseError, match="positional"):
         serialize.graph_from_json(stored)
 
+
+
+def test_recorded_strides_travel_with_the_graph_as_integers_only():
+    """A compile process traces the graph it is sent: the strides CPU's kernels gave its ops'
+    outputs go with it (decompose.recorded_layouts), and come back as integers or not at all."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    total = g.call_function(torch.ops.aten.add.Tensor, (x, x))
+    total.meta[RECORDED_STRIDES] = (4, 1)
+    g.output((total,))
+    stored = serialize.graph_to_json(torch.fx.GraphModule(torch.nn.Module(), g))
+    gm, _ = serialize.graph_from_json(stored)
+    (add,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)
+    assert add.meta[RECORDED_STRIDES] == (4, 1)
+    for bad in ([4, "1; import os"], {"tuple": [4, 1]}, [4.0, 1]):
+        stored["nodes"][1]["strides"] = bad
+        with pytest.raises(tilewise.TilewiseError, match="malformed strides"):
+            serialize.graph_from_json(stored)
+    stored["nodes"][1].pop("strides")
+    stored["nodes"][1]["layout"] = [4, 1]
+    with pytest.raises(tilewise.TilewiseError, match="malformed node"):
+        serialize.graph_from_json(stored)
 
 # -- files and directories that are not the user's private ones ---------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from ..device.runtime import DEVICE
+from ..compiler.decompose import RECORDED_STRIDES
 from ..eager.executor import run_host
 from ..errors import TilewiseError
 from . import scalars, shapes
@@ -185,6 +186,10 @@ def build_graph(segment: Segment, region: Region, ints: tuple[shapes.IntPath, ..
         else:
             for o in range(len(outs)):
                 values[(n, o)] = graph.call_function(operator.getitem, (call, o))
+        if node.kind == FUNCTIONAL:  # the layout of CPU's results, which the compiler's trace keeps
+            for o, meta in enumerate(node.out_meta):
+                if meta is not None:
+                    values[(n, o)].meta[RECORDED_STRIDES] = tuple(meta[1])
     graph.output(tuple(values[v] for v in region.outputs))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 

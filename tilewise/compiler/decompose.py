@@ -279,6 +279,43 @@ def host_factories(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+# node.meta key: the strides CPU's kernel gave a recorded op's output (adaptive/regions.build_graph)
+RECORDED_STRIDES = "tilewise_recorded_strides"
+
+
+def recorded_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with each op output whose strides were recorded passed through `_as_recorded`.
+
+    A decomposition may lay its result out otherwise than CPU's kernel, and the region's later
+    views of it were recorded on CPU's layout: PyTorch's select_scatter (select_backward's
+    decomposition) is a `where` whose result takes its source's layout, a transposed gradient's in
+    a BLOOM step, whose region then failed to trace ("Cannot view a tensor with shape [2, 8, 2, 3,
+    8] and strides (384, 24, 192, 8, 1)") and ran eagerly. Checked against the recorded strides,
+    the trace copies such a result into CPU's layout; where they agree (nearly everywhere) the
+    value passes through and the traced graph is the same."""
+    if not any(RECORDED_STRIDES in node.meta for node in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        strides = node.meta.get(RECORDED_STRIDES)
+        if strides is not None:
+            with graph.inserting_after(node):
+                kept = graph.call_function(_as_recorded, (node, strides))
+            node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _as_recorded(value: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """`value` laid out with `strides` (a size-1 dimension's stride is any), copied where it is not."""
+    if value.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(value.shape, value.stride(), strides)):
+        return value
+    if strides == torch._prims_common.make_contiguous_strides_for(value.shape):
+        return aten.clone.default(value, memory_format=torch.contiguous_format)
+    out = aten.empty_strided.default(value.shape, strides, dtype=value.dtype, device=value.device)
+    return aten.copy_.default(out, value)
+
+
 def _tracing_inputs(example_inputs) -> list:
     # Meta inputs would clash with CPU constants inside the graph; an uninitialised host tensor is
     # free (the OS maps its pages lazily) and the trace only reads its metadata.
@@ -388,6 +425,8 @@ def trace(gm: torch.fx.GraphModule, inputs, tracing_mode: str, name: str) -> tor
     (or, for a shape-generic region, fake tensors with symbolic sizes and SymInts: compiler/symbolic.py)."""
     flat = rounded_foreach_scalars(exact_expands(functional_tensor_scalars(vml.user_math(host_factories(
         functional_fused_optimizers(flat_module(gm)))))))
+    if tracing_mode != "symbolic":  # recorded strides are of one size's outputs
+        flat = recorded_layouts(flat)
     table = dict(decomposition_table())
     table.update(_foreach_entries(flat.graph))
 

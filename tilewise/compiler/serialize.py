@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CompileError
 from . import fused_optimizers, vml
+from .decompose import RECORDED_STRIDES
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE),
@@ -166,8 +167,11 @@ def graph_to_json(gm: torch.fx.GraphModule) -> dict:
         target = node.target if node.op in ("placeholder", "get_attr", "output") else encode(node.target)
         if node.op == "get_attr":
             constants[node.target] = encode(getattr(gm, node.target))
-        nodes.append({"name": node.name, "op": node.op, "target": target, "args": encode(node.args),
-                      "kwargs": encode(dict(node.kwargs))})
+        entry = {"name": node.name, "op": node.op, "target": target, "args": encode(node.args),
+                 "kwargs": encode(dict(node.kwargs))}
+        if RECORDED_STRIDES in node.meta:  # a compile process traces the graph: decompose.recorded_layouts
+            entry["strides"] = list(node.meta[RECORDED_STRIDES])
+        nodes.append(entry)
     return {"nodes": nodes, "constants": constants}
 
 
@@ -181,14 +185,23 @@ def graph_from_json(data: dict) -> tuple[torch.fx.GraphModule, dict[str, str]]:
             or entries[-1].get("op") != "output":
         raise CompileError("a compile cache entry's graph must end in its output")
     for entry in entries[:-1]:
-        if not isinstance(entry, dict) or set(entry) != _NODE_FIELDS or entry["name"] in nodes:
+        if not isinstance(entry, dict) or not _NODE_FIELDS <= set(entry) <= _NODE_FIELDS | {"strides"} \
+                or entry["name"] in nodes:
             raise CompileError(f"malformed node {entry!r} in a compile cache entry")
         nodes[entry["name"]] = _rebuild_node(graph, entry, nodes, constants)
+        if "strides" in entry:
+            nodes[entry["name"]].meta[RECORDED_STRIDES] = _strides(entry["strides"])
     output = decode(entries[-1]["args"], nodes)
     if not isinstance(output, tuple) or len(output) != 1:
         raise CompileError("malformed output in a compile cache entry")
     graph.output(output[0])
     return torch.fx.GraphModule(root, graph), {old: node.name for old, node in nodes.items()}
+
+
+def _strides(stored) -> tuple[int, ...]:
+    if not isinstance(stored, list) or not all(type(s) is int for s in stored):
+        raise CompileError(f"malformed strides {stored!r} in a compile cache entry")
+    return tuple(stored)
 
 
 def _constants(stored, root: torch.nn.Module) -> dict[str, str]:
