@@ -225,6 +225,53 @@ def test_a_decomposition_laid_out_otherwise_than_cpu_s_kernel_still_compiles(mod
     assert not [key for key in stats.fallbacks if "compile failed" in key[1]], stats.report()
     assert stats.ops_compiled > 0, stats.report()
 
+def _below_the_python_key():
+    """What PyTorch does inside torch.tensor(data, device=...): ops run with the Python key
+    excluded, past every TorchDispatchMode, straight to the device's kernels."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python))
+
+
+def test_making_a_tensor_from_data_leaves_recorded_work_deferred():
+    """torch.tensor(data, device="neuron") copies into the tensor it has just made, below the
+    Python key; a Hugging Face decoder's cache does so in every layer. Nothing recorded reads or
+    writes that tensor, so the segment goes on: one region per step, not one per layer."""
+    a = torch.randn(4, 4)
+    an = a.to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = an * 2
+        made = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device="neuron")
+        z = y + made.sum()
+        assert tilewise.stats().segments == 0, tilewise.stats().report()
+    assert torch.equal(z.cpu(), a * 2 + 10) and torch.equal(made.cpu(), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert tilewise.stats().flush_reasons["synchronize"] == 0
+
+
+@pytest.mark.parametrize("touched", ["written by recorded work", "read by recorded work", "a view of it read"])
+def test_an_op_below_the_python_key_waits_for_recorded_work_on_its_memory(touched):
+    a, b = torch.randn(4), torch.randn(4)
+    an, bn = a.to("neuron"), b.to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        if touched == "written by recorded work":
+            an.mul_(3)
+            with _below_the_python_key():
+                bn.copy_(an)  # reads what the recorded mul_ writes
+            expected_a, expected_b = a * 3, a * 3
+        elif touched == "read by recorded work":
+            y = an * 2
+            with _below_the_python_key():
+                an.copy_(bn)  # writes what the recorded mul reads
+            expected_a, expected_b = b, b
+        else:
+            y = an[1:] * 2
+            with _below_the_python_key():
+                an.copy_(bn)
+            expected_a, expected_b = b, b
+        assert tilewise.stats().flush_reasons["synchronize"] == 1
+    assert torch.equal(an.cpu(), expected_a) and torch.equal(bn.cpu(), expected_b)
+    if touched != "written by recorded work":
+        assert torch.equal(y.cpu(), a[1:] * 2 if touched == "a view of it read" else a * 2)
+
+
 def test_views_and_inplace_through_views_stay_eager_semantics():
     base = torch.randn(6, 6)
     expected = base.clone()

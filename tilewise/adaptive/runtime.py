@@ -80,6 +80,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.reset_caches()
         self.stats.cache_sizes = self.cache_sizes
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
+        DEVICE.touch_checks.append(self.touches)
 
     def reset_caches(self) -> None:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
@@ -318,6 +319,13 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
     def is_pending(self, host_tensor) -> bool:
         return self.segment.is_pending(host_tensor) or \
             any(work.segment.is_pending(host_tensor) for work in self.unfinished)
+
+    def touches(self, tensors: list) -> bool:
+        """Whether recorded work not yet computed reads or writes these device tensors' memory."""
+        storages = {t._data.untyped_storage()._cdata for t in tensors}
+        with self.lock:
+            return any(segment.touches(storages) for segment in
+                       (self.segment, *(work.segment for work in self.unfinished)))
 
     def _run_segment(self, segment: Segment) -> None:
         try:

@@ -90,6 +90,13 @@ class Segment:
         value = self._values.get(id(host_tensor))
         return value[:2] if value is not None else None
 
+    def touches(self, storages: set[int]) -> bool:
+        """Whether a recorded op reads or writes memory of one of these storages (`_cdata`): its
+        inputs are externals or outputs of the segment, and a view shares its base's storage."""
+        return any(t.untyped_storage()._cdata in storages for t in self.externals) or \
+            any(out is not None and out.untyped_storage()._cdata in storages
+                for node in self.nodes for out in node.outs or ())
+
     def is_pending(self, host_tensor) -> bool:
         """Whether a recorded, not yet computed op writes this tensor's memory."""
         return id(host_tensor) in self._values or \

@@ -57,6 +57,9 @@ class Device:
         # while it holds deferred work, so that every eager op computes that work first.
         self.sync_hooks: list = []
         self.lazy_pending = False
+        # Called by pending_work_touches(): the lazy engine registers whether its deferred work
+        # reads or writes the memory of given device tensors.
+        self.touch_checks: list = []
         # As torch.cuda's current device: per host thread, 0 until set_device.
         self._current = threading.local()
 
@@ -108,6 +111,11 @@ class Device:
     def synchronize(self) -> None:
         for hook in list(self.sync_hooks):
             hook()
+
+    def pending_work_touches(self, tensors: list) -> bool:
+        """Whether deferred work reads or writes the memory of any of these device tensors (all
+        deferred work, where no engine says)."""
+        return not self.touch_checks or any(check(tensors) for check in list(self.touch_checks))
 
     def use_spec(self, spec: DeviceSpec) -> None:
         """Switch the preset; live tensors stay where they are and keep being counted."""

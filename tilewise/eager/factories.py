@@ -27,7 +27,8 @@ import torch
 
 from ..device import backward_errors
 from ..device.runtime import DEVICE
-from .executor import check_device, execute, run
+from ..device.tensor import NeuronTensor
+from .executor import check_device, run
 
 _aten = torch.ops.aten
 # Factories PyTorch implements as "empty, then resize through out=" (see the module doc).
@@ -91,7 +92,22 @@ class _Kernel:
 
 
 def _device_op(func, *args, **kwargs):
-    return execute(func, args, kwargs)
+    """An op on device tensors below the Python key, which no engine records. It computes the
+    deferred work first only where that work reads or writes its tensors: torch.tensor(data,
+    device="neuron") copies into the tensor it has just made, and a Hugging Face decoder makes
+    its cache so in every attention layer; flushing there cut each step's segment into one per
+    layer and then some."""
+    if DEVICE.lazy_pending and DEVICE.pending_work_touches(list(_device_tensors((*args, *kwargs.values())))):
+        DEVICE.synchronize()
+    return run(func, args, kwargs)
+
+
+def _device_tensors(values):
+    for value in values:
+        if isinstance(value, NeuronTensor):
+            yield value
+        elif type(value) is list or type(value) is tuple:
+            yield from _device_tensors(value)
 
 
 def _kernel_for(func):
