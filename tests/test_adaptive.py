@@ -225,6 +225,7 @@ def test_a_decomposition_laid_out_otherwise_than_cpu_s_kernel_still_compiles(mod
     assert not [key for key in stats.fallbacks if "compile failed" in key[1]], stats.report()
     assert stats.ops_compiled > 0, stats.report()
 
+
 def _below_the_python_key():
     """What PyTorch does inside torch.tensor(data, device=...): ops run with the Python key
     excluded, past every TorchDispatchMode, straight to the device's kernels."""
@@ -271,6 +272,39 @@ def test_an_op_below_the_python_key_waits_for_recorded_work_on_its_memory(touche
     if touched != "written by recorded work":
         assert torch.equal(y.cpu(), a[1:] * 2 if touched == "a view of it read" else a * 2)
 
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_indexing_by_integers_records_and_compiles_and_by_a_mask_runs_at_once(mode):
+    """aten.index.Tensor is tagged dynamic_output_shape for its boolean masks; with integer
+    indices (`x[perm]`, a graph network's `h[src]`, a mixture of experts' sorted tokens) its
+    shape is the indices', and it is recorded and compiled with the ops around it."""
+    x, perm, mask = torch.randn(10, 4), torch.tensor([3, 1, 1, 9]), torch.randn(10) > 0
+    xn, permn, maskn = x.to("neuron"), perm.to("neuron"), mask.to("neuron")
+    with tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 2):
+            gathered = ((xn * 2)[permn] + 1).cpu()
+            masked = ((xn * 2)[maskn] + 1).cpu()
+            assert torch.equal(gathered, (x * 2)[perm] + 1) and torch.equal(masked, (x * 2)[mask] + 1)
+    stats = tilewise.stats()
+    assert stats.fallbacks[("index", "data-dependent output shape")] == tilewise.config.threshold + 2, stats.report()
+    assert not [key for key in stats.fallbacks if "compile failed" in key[1]], stats.report()
+    region = max(stats.regions.values(), key=lambda r: r.ops)
+    assert region.hits > 0 and region.ops == 3, stats.report()  # mul, index, add
+
+
+def test_an_integer_index_out_of_range_in_a_compiled_region_raises_and_loses_nothing():
+    x = torch.randn(10, 4)
+    xn = x.to("neuron")
+    with tilewise.engine(mode="compiled"):
+        for index in ([1, 3], [2, 4]):  # compiled, and served again
+            assert torch.equal((xn * 2)[torch.tensor(index).to("neuron")].cpu(), (x * 2)[index])
+        bad = (xn * 2)[torch.tensor([12, 0]).to("neuron")]
+        after = xn + 1
+        with pytest.raises(IndexError, match="out of bounds"):
+            bad.cpu()
+        assert torch.equal(after.cpu(), x + 1)
+        assert torch.equal((xn * 3)[torch.tensor([9]).to("neuron")].cpu(), (x * 3)[[9]])  # the engine goes on
+    assert tilewise.stats().ops_compiled > 0
 
 def test_views_and_inplace_through_views_stay_eager_semantics():
     base = torch.randn(6, 6)

@@ -390,6 +390,17 @@ def test_a_graph_with_a_data_dependent_output_shape_is_refused_with_a_clear_erro
         compile_graph(gm, [x], spec=TRN2)
 
 
+def test_indexing_by_a_mask_is_refused_and_by_integers_compiles():
+    """aten.index.Tensor's tag says its shape may depend on data; the trace tells which call does."""
+    from tilewise.errors import CompileError
+    x, mask, index = torch.randn(10, 4), torch.randn(10) > 0, torch.tensor([1, 3, 3])
+    gm = make_fx(lambda x, m: x[m] * 2)(x, mask)
+    with pytest.raises(CompileError, match="output shape depends on data"):
+        compile_graph(gm, [x, mask], spec=TRN2)
+    compiled = compile_graph(make_fx(lambda x, i: x[i] * 2)(x, index), [x, index], spec=TRN2)
+    assert torch.equal(compiled.run(x, index)[0], x[index] * 2)
+
+
 def test_a_scalar_expanded_to_width_one_stays_a_row_when_the_group_widens():
     # quantile's decomposition: an index made from expand(scalar, [1]) gathers from a row of 2
     check(lambda x: torch.quantile(x, 0.5), [torch.tensor([3.0, 1.0])])

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..eager.plan import SHAPE_FROM_MASKS_ONLY
 from ..reasons import Reason, Why
 
 
@@ -122,6 +123,16 @@ def runs_now(func) -> Reason | None:
     if torch.Tag.data_dependent_output in tags:
         return Reason(Why.READS_DEVICE_DATA)
     return None
+
+
+def shape_reads_data(func, args) -> bool:
+    """Whether this call's output shape depends on data, for an op tagged dynamic_output_shape:
+    `x[perm]`, `h[src]` (a graph network's gather), a mixture of experts' tokens sorted by expert
+    record like any op; `x[mask]` runs at once."""
+    if func in SHAPE_FROM_MASKS_ONLY:
+        return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+                   for index in args[1])
+    return True
 
 
 def copies_to_host(kwargs) -> Reason | None:

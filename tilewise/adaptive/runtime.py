@@ -31,7 +31,7 @@ from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
 from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
-                     stable_after)
+                     shape_reads_data, stable_after)
 from .compiling import FAILED, Compiling, RegionCompiler, on_compiler_thread
 from .generic import GenericSites
 from .plans import CachedPlans
@@ -140,8 +140,11 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             if settings is not self.segment.settings and self.segment.nodes:
                 self.flush(SETTINGS_CHANGE)  # a segment is planned with one engine block's settings
             reason = info.runs_now
-            if reason is not None and reason.why is Why.NO_EFFECT:
-                return None
+            if reason is not None:
+                if reason.why is Why.NO_EFFECT:
+                    return None
+                if reason.why is Why.DATA_DEPENDENT_SHAPE and not shape_reads_data(func, args):
+                    reason = None
             if reason is None and (kwargs or info.random):
                 # else the segment checks its inputs' cores as it records them: one walk, not two
                 reason = copies_to_host(kwargs) or self._enter_core(args, kwargs)

@@ -20,7 +20,7 @@ from torch._decomp.decompositions import Reduction
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from ..device.tensor import names_neuron
 from ..errors import CompileError
@@ -440,6 +440,10 @@ def trace(gm: torch.fx.GraphModule, inputs, tracing_mode: str, name: str) -> tor
     except _DATA_DEPENDENT as error:  # a decomposition that reads data (take's bounds check, say)
         raise CompileError(f"{name}: a decomposition depends on data ({type(error).__name__}); "
                            "it runs eagerly") from error
+    depends = sorted({str(node.target) for node in traced.graph.nodes if free_unbacked_symbols(node.meta.get("val"))})
+    if depends:  # indexing by a mask: what the tag of aten.index.Tensor cannot tell (entry.py)
+        raise CompileError(f"{name}: the graph has ops whose output shape depends on data ({', '.join(depends)}): "
+                           "tile programs need static shapes; run them eagerly")
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced

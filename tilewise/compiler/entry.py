@@ -6,6 +6,7 @@ import torch
 
 from ..config import config
 from ..device.spec import DeviceSpec
+from ..eager.plan import SHAPE_FROM_MASKS_ONLY
 from ..errors import CompileError, ConfigError
 from . import background, cache
 from .driver import CompiledRegion
@@ -64,8 +65,9 @@ def _check_arguments(gm, example_inputs, spec, name) -> None:
     placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     if placeholders != len(example_inputs):
         raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
+    # (for indexing, only a mask's: the trace refuses one, DynamicOutputShapeException)
     dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
-                      and torch.Tag.dynamic_output_shape in n.target.tags})
+                      and torch.Tag.dynamic_output_shape in n.target.tags and n.target not in SHAPE_FROM_MASKS_ONLY})
     if dynamic:
         raise CompileError(f"the graph has ops whose output shape depends on data ({', '.join(dynamic)}): "
                            "tile programs need static shapes; run them eagerly")
