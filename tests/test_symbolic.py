@@ -446,6 +446,30 @@ def test_upsampling_gradient_meta_kernels_agree_with_cpu_s(op, memory_format):
         assert (result.shape, result.stride(), result.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
 
 
+def _grouped_mm_cases():
+    """Sizes whose rows are 16 bytes in float32 and bfloat16, which CPU's kernel asks of its inputs."""
+    offsets = torch.tensor([3, 5, 8], dtype=torch.int32)
+    yield torch.randn(8, 8), torch.randn(3, 8, 16), offsets           # tokens x experts' weights
+    yield torch.randn(3, 5, 8), torch.randn(3, 8, 16), None          # batched
+    yield torch.randn(16, 8), torch.randn(8, 24), offsets            # 2-d x 2-d: one product per group
+    yield torch.randn(8, 8), torch.randn(3, 12, 8).transpose(-1, -2), offsets  # rows of 12 padded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_mm_meta_kernel_describes_cpu_s_result(dtype):
+    """PyTorch's meta kernel of _grouped_mm takes bfloat16 only (CUDA's kernel) and, without CUDA,
+    lays its result out contiguously; CPU's kernel takes float32 and pads rows to 16 bytes."""
+    for mat_a, mat_b, offsets in _grouped_mm_cases():
+        mat_a, mat_b = mat_a.to(dtype), mat_b.to(dtype)
+        cpu = torch._grouped_mm(mat_a, mat_b, offs=offsets)
+        meta = torch._grouped_mm(_on_meta(mat_a), _on_meta(mat_b), offs=offsets)
+        assert (meta.shape, meta.stride(), meta.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
 def test_std_with_a_correction_at_changing_sizes_compiles_shape_generic():
     """std's decomposition makes a size a float (the divisor, with its correction): the parametric
     program's expressions called torch.sym_float (and named a symbol of the passes' own), and it

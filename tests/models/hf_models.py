@@ -47,11 +47,19 @@ def _t5():
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
 
 
+def _mixtral():
+    # its default experts: tokens counted per expert by histc (of int32 ids off the CPU), _grouped_mm
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+
+
 CASES = {case.name: case for case in (
     HFCase("gpt2", _gpt2, causal=True, train_kwargs={"use_cache": False}),
     HFCase("llama", _llama, causal=True, train_kwargs={"use_cache": False}),
     HFCase("bert", _bert),
     HFCase("t5", _t5, train_kwargs={"use_cache": False}),
+    HFCase("mixtral", _mixtral, causal=True, train_kwargs={"use_cache": False}),
 )}
 
 
