@@ -306,6 +306,51 @@ def test_an_integer_index_out_of_range_in_a_compiled_region_raises_and_loses_not
         assert torch.equal((xn * 3)[torch.tensor([9]).to("neuron")].cpu(), (x * 3)[[9]])  # the engine goes on
     assert tilewise.stats().ops_compiled > 0
 
+
+def _channels_last_pooling(device: str, mode: str | None, steps: int = 6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1))
+    model = model.to(device).to(memory_format=torch.channels_last)
+    head = torch.nn.Linear(8, 3).to(device)
+    results = []
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        for step in range(steps):
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+            pooled = model(x.to(device).to(memory_format=torch.channels_last))
+            loss = head(pooled.flatten(1)).pow(2).mean()
+            loss.backward()
+            results.append((loss.detach().cpu(), pooled.stride(), pooled.detach().cpu()))
+    return results, [p.grad.cpu() for p in [*model.parameters(), *head.parameters()]]
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_channels_last_global_average_pooling_records_its_restride(mode):
+    """ATen's adaptive_avg_pool2d to 1x1 of a channels-last input takes the mean and restrides it
+    in place (as_strided_ of the size-1 dimensions): a wrapper's metadata changes at once, and the
+    call flushed the segment every step. The same elements: recorded as the as_strided view."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = _channels_last_pooling("cpu", None)
+        got = _channels_last_pooling("neuron", mode)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for (loss, strides, pooled), (want_loss, want_strides, want_pooled) in zip(got[0], expected[0]):
+        assert torch.equal(loss, want_loss) and strides == want_strides and torch.equal(pooled, want_pooled)
+    for grad, want in zip(got[1], expected[1]):
+        assert torch.equal(grad, want)
+    stats = tilewise.stats()
+    assert not stats.fallbacks and stats.ops_compiled > 0, stats.report()
+
+
+def test_an_as_strided__that_moves_elements_still_runs_at_once():
+    x = torch.arange(6.0)
+    expected = (x * 2).as_strided_((2, 3), (1, 2))
+    with tilewise.engine(mode="adaptive"):
+        got = (x.to("neuron") * 2).as_strided_((2, 3), (1, 2))
+        assert got.shape == (2, 3) and got.stride() == (1, 2)
+    assert torch.equal(got.cpu(), expected)
+    assert [key for key in tilewise.stats().fallbacks if key[0] == "as_strided_"], tilewise.stats().report()
+
 def test_views_and_inplace_through_views_stay_eager_semantics():
     base = torch.randn(6, 6)
     expected = base.clone()

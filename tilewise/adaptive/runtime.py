@@ -23,7 +23,7 @@ from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, names_neuron
-from ..eager.executor import INDEXING, check_device, execute, indices_on_device, run, run_composite
+from ..eager.executor import INDEXING, check_device, execute, indices_on_device, restride_wrapper, run, run_composite
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
 from . import analysis, events, interrupts, scalars, shapes
@@ -134,6 +134,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             info = self._info(func)
             if info.decomposed:
                 return self._decomposed(func, args, kwargs, settings)
+            if func is aten.as_strided_.default and _moves_no_element(*args, **kwargs):
+                return self._restrided(*args, **kwargs, settings=settings)
             func, args, kwargs, info = self._rewritten(info, args, kwargs)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
@@ -198,8 +200,21 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         if info is None or info.func is not func:
             rewrite, decomposed = _rewrite_of(func), plan_of(func).implicit
             info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), rewrite, decomposed,
-                                                    rewrite is not None or decomposed)
+                                                    rewrite is not None or decomposed or func is aten.as_strided_.default)
         return info
+
+    def _restrided(self, tensor: NeuronTensor, size, stride, storage_offset=None, *, settings: Settings):
+        """`tensor.as_strided_(...)` that changes only the strides of size-1 dimensions: ATen's
+        global average pooling of a channels-last input (`adaptive_avg_pool2d` to 1x1, a ResNet's
+        head; Hugging Face Swin's pooler) restrides the mean it computed so. A wrapper's metadata
+        changes now, which a recorded op cannot do; as the same elements, the tensor becomes the
+        recorded `as_strided` view of what it held, as eager restrides the wrapper over its host
+        buffer (until 2026-12-04 the call flushed the segment and ran at once, every step)."""
+        view = self.dispatch(aten.as_strided.default, (tensor, size, stride, storage_offset), {}, settings)
+        tensor._data = view._data
+        tensor._holder = getattr(view, "_holder", None)  # the recorded view's buffer is held through the tensor
+        restride_wrapper(tensor)
+        return tensor
 
     def _record_on_its_core(self, func, args, kwargs, settings: Settings):
         """An input is on another core than the segment's: move the segment there (flushing it)
@@ -447,6 +462,14 @@ def _rewrite_of(func) -> Callable | None:
     if func in scalars.FUSED_LR:
         return scalars.lr_as_tensor
     return _indices_on_device if func in INDEXING else None
+
+
+def _moves_no_element(tensor, size, stride, storage_offset=None) -> bool:
+    """Whether `as_strided_(tensor, size, stride, storage_offset)` leaves every element where it is:
+    the same sizes and offset, strides differing only where a size is 1 (or the tensor is empty)."""
+    offset = tensor.storage_offset() if storage_offset is None else storage_offset
+    return (isinstance(tensor, NeuronTensor) and list(size) == list(tensor.shape) and offset == tensor.storage_offset()
+            and (tensor.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(size, stride, tensor.stride()))))
 
 
 def _indices_on_device(func, args, kwargs) -> tuple:

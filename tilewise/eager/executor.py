@@ -330,10 +330,11 @@ def _follow_host_metadata(plan: OpPlan, result) -> None:
     buffer; give the device tensor the same size, strides and offset."""
     for tensor in result if type(result) is tuple else (result,):
         if isinstance(tensor, NeuronTensor) and (plan.metadata_mutating or tensor.shape != tensor._data.shape):
-            _restride(plan, tensor)
+            restride_wrapper(tensor)
 
 
-def _restride(plan: OpPlan, tensor: NeuronTensor) -> None:
+def restride_wrapper(tensor: NeuronTensor) -> None:
+    """Give a device tensor the size, strides and offset of its host buffer (`_data`)."""
     data = tensor._data
     DEVICE.cores[tensor._core].hbm.track(data)  # resize_ and set_ may have put it on another host storage
     # A wrapper has no storage, only metadata: as_strided_ below dispatch edits just that, within
