@@ -207,6 +207,41 @@ def test_a_region_whose_own_ops_refuse_zeros_compiles_and_keeps_its_recorded_gra
             assert cache.stats.disk_hits == disk_hits + served_from_disk
 
 
+_SPATIAL_TRANSFORMER = textwrap.dedent("""
+    import torch, torch.nn.functional as F, tilewise
+
+    def train(device, mode):
+        torch.manual_seed(0)
+        loc, head = torch.nn.Linear(64, 6).to(device), torch.nn.Linear(64, 3).to(device)
+        optimizer = torch.optim.Adam([*loc.parameters(), *head.parameters()], lr=1e-2)
+        generator = torch.Generator().manual_seed(1)
+        with tilewise.engine(mode=mode):
+            for _ in range(4):
+                x = torch.randn(2, 1, 8, 8, generator=generator).to(device)
+                grid = F.affine_grid(loc(x.flatten(1)).view(-1, 2, 3), list(x.shape), align_corners=False)
+                sampled = F.grid_sample(x, grid, align_corners=False, padding_mode="border")
+                F.cross_entropy(head(sampled.flatten(1)), torch.tensor([0, 2]).to(device)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return [p.detach().cpu() for p in [*loc.parameters(), *head.parameters()]]
+
+    torch.use_deterministic_algorithms(True)
+    expected = train("cpu", "eager")
+    assert all(torch.equal(g, e) for g, e in zip(train("neuron", "compiled"), expected))
+    assert tilewise.stats().ops_compiled > 0 and tilewise.stats().ops_eager == 0, tilewise.stats().report()
+    print("ok")
+""")
+
+
+def test_the_smoke_run_never_feeds_an_op_the_nan_that_zeros_make():
+    """The smoke run's zeros made an Adam step divide by its bias correction at step 0: NaN
+    parameters, a NaN sampling grid, and CPU's grid_sampler_2d_backward indexing memory by a NaN
+    coordinate took the process down (a segfault on the compiler thread). In a process of its own."""
+    done = subprocess.run([sys.executable, "-c", _SPATIAL_TRANSFORMER], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TILEWISE_CACHE_DIR="off"))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])
 def test_a_linalg_solve_step_compiles_with_cpu_s_values(mode):
     torch.manual_seed(0)

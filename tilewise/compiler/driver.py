@@ -198,34 +198,54 @@ def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return
-    # the module's forward, not the module: a failing GraphModule call prints its traceback to stderr
-    if not smoke_run(compiled.run_torch, compiled.source.forward, example_inputs, "compiled"):
+    if not smoke_run(compiled.gm, compiled.source, example_inputs, "compiled"):
         compiled.keep_recorded_graph()
 
 
-def smoke_run(decomposed, recorded, example_inputs, kind: str) -> bool:
+def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, example_inputs, kind: str) -> bool:
     """Run the decomposed graph once on zeros of the example inputs' layout: a decomposition that
     cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
     full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
     cache hit. Unless the recorded ops fail on those zeros too: then the zeros are what the
     program's own ops refuse (lu_solve's pivots are at least 1; a linalg.solve step's backward
-    failed to compile), and the run says nothing of the decomposition: False (True: it ran)."""
+    failed to compile), and the run says nothing of the decomposition: False (True: it ran).
+
+    Zeros are values no program computed: an Adam step at step 0 divides by its bias correction,
+    1 - beta ** 0, and a spatial transformer's parameters became NaN, then its sampling grid, and
+    CPU's grid_sampler_2d_backward indexes memory by a NaN coordinate (a segfault: the compiler
+    thread took the process down). Each node's non-finite results are made zero before the next
+    node reads them (`_FiniteRun`): the run checks that the ops run, not what they compute."""
     from ..errors import CompileError
 
     def zeros():
         return [_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
     try:
-        decomposed(*zeros())
+        _FiniteRun(decomposed).run(*zeros())
         return True
     except Exception as error:  # noqa: BLE001
         failure = error
     try:
-        recorded(*zeros())
+        _FiniteRun(recorded).run(*zeros())
     except Exception:  # noqa: BLE001  (the zeros' fault, whatever the recorded ops raise)
         return False
     raise CompileError(f"the {kind} region fails on its example inputs: {type(failure).__name__}: "
                        f"{failure}") from failure
+
+
+class _FiniteRun(torch.fx.Interpreter):
+    """The graph run node by node, a result holding NaN or infinities replaced by a copy holding
+    zeros there (a copy: the result may be an expanded view, and a later in-place op writes it)."""
+
+    def run_node(self, node: torch.fx.Node):
+        return torch.fx.node.map_aggregate(super().run_node(node), _finite)
+
+
+def _finite(value):
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()) \
+            and not bool(value.isfinite().all()):
+        return torch.nan_to_num(value, 0.0, 0.0, 0.0)
+    return value
 
 
 def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     generic = GenericRegion(name, traced, source_graph(gm), guards, symbols, dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
-    smoke_run(generic.run_torch, generic.source.forward, example_inputs, "generic")
+    smoke_run(generic.gm, generic.source, example_inputs, "generic")
     generic.specialise(example_inputs)
     generic.compile_seconds = time.perf_counter() - started
     return generic
