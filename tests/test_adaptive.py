@@ -342,6 +342,28 @@ def test_channels_last_global_average_pooling_records_its_restride(mode):
     assert not stats.fallbacks and stats.ops_compiled > 0, stats.report()
 
 
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_in_place_view_ops_make_the_tensor_its_recorded_view(mode):
+    """unsqueeze_ (F.affine_grid's), squeeze_, t_, transpose_: a wrapper's metadata changes at
+    once; the tensor becomes the recorded view, as eager restrides it, and the step compiles."""
+    x = torch.randn(3, 4)
+    with tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 2):
+            y = x.to("neuron") * 2
+            y.unsqueeze_(0)
+            a = y + 1
+            y.squeeze_(0).t_()
+            b = y * 3
+            y.transpose_(0, 1)
+            c = y.sum(0)
+            assert (y.shape, y.stride()) == ((3, 4), (4, 1))
+            tilewise.sync()
+    assert torch.equal(a.cpu(), (x * 2).unsqueeze(0) + 1) and torch.equal(b.cpu(), (x * 2).t() * 3)
+    assert torch.equal(c.cpu(), (x * 2).sum(0))
+    stats = tilewise.stats()
+    assert not stats.fallbacks and stats.ops_compiled > 0, stats.report()
+
 def test_an_as_strided__that_moves_elements_still_runs_at_once():
     x = torch.arange(6.0)
     expected = (x * 2).as_strided_((2, 3), (1, 2))

@@ -134,8 +134,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             info = self._info(func)
             if info.decomposed:
                 return self._decomposed(func, args, kwargs, settings)
-            if func is aten.as_strided_.default and _moves_no_element(*args, **kwargs):
-                return self._restrided(*args, **kwargs, settings=settings)
+            if func in VIEW_TWINS and (func is not aten.as_strided_.default or _moves_no_element(*args, **kwargs)):
+                return self._as_its_view(func, args, kwargs, settings)
             func, args, kwargs, info = self._rewritten(info, args, kwargs)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
@@ -200,17 +200,19 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         if info is None or info.func is not func:
             rewrite, decomposed = _rewrite_of(func), plan_of(func).implicit
             info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), rewrite, decomposed,
-                                                    rewrite is not None or decomposed or func is aten.as_strided_.default)
+                                                    rewrite is not None or decomposed or func in VIEW_TWINS)
         return info
 
-    def _restrided(self, tensor: NeuronTensor, size, stride, storage_offset=None, *, settings: Settings):
-        """`tensor.as_strided_(...)` that changes only the strides of size-1 dimensions: ATen's
-        global average pooling of a channels-last input (`adaptive_avg_pool2d` to 1x1, a ResNet's
-        head; Hugging Face Swin's pooler) restrides the mean it computed so. A wrapper's metadata
-        changes now, which a recorded op cannot do; as the same elements, the tensor becomes the
-        recorded `as_strided` view of what it held, as eager restrides the wrapper over its host
-        buffer (until 2026-12-04 the call flushed the segment and ran at once, every step)."""
-        view = self.dispatch(aten.as_strided.default, (tensor, size, stride, storage_offset), {}, settings)
+    def _as_its_view(self, func, args, kwargs, settings: Settings):
+        """An in-place view op (`x.unsqueeze_(0)`, `t_`, an `as_strided_` that moves no element):
+        a wrapper's metadata changes at once, which a recorded op cannot do, so the tensor becomes
+        the recorded view (VIEW_TWINS) of what it held, as eager restrides the wrapper over its
+        host buffer. ATen's global average pooling of a channels-last input restrides the mean it
+        computed (`adaptive_avg_pool2d` to 1x1: a ResNet's head, Hugging Face Swin's pooler), and
+        `F.affine_grid` unsqueezes its grid in place: until 2026-12-04 each flushed the segment
+        and ran at once, every step."""
+        tensor = args[0]
+        view = self.dispatch(VIEW_TWINS[func], args, kwargs, settings)
         tensor._data = view._data
         tensor._holder = getattr(view, "_holder", None)  # the recorded view's buffer is held through the tensor
         restride_wrapper(tensor)
@@ -462,6 +464,12 @@ def _rewrite_of(func) -> Callable | None:
     if func in scalars.FUSED_LR:
         return scalars.lr_as_tensor
     return _indices_on_device if func in INDEXING else None
+
+
+# In-place view ops and the view each makes of its input: after one, the tensor is that view.
+VIEW_TWINS = {aten.unsqueeze_.default: aten.unsqueeze.default, aten.squeeze_.default: aten.squeeze.default,
+              aten.squeeze_.dim: aten.squeeze.dim, aten.squeeze_.dims: aten.squeeze.dims, aten.t_.default: aten.t.default,
+              aten.transpose_.default: aten.transpose.int, aten.as_strided_.default: aten.as_strided.default}
 
 
 def _moves_no_element(tensor, size, stride, storage_offset=None) -> bool:
