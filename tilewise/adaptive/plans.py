@@ -42,7 +42,9 @@ class CachedPlans:
         cache, key = self.plans, plan_key
         steps = plan.steps if plan is not None and plan.sigs == locals_ else None
         if steps is None:
-            key = (tuple(without_floats(n.sig) if n.floats else n.sig for n in segment.nodes), alias)
+            # whether each node's floats are lifted: a plan made while a node's floats were
+            # constants (eager, as they changed) must not serve it once they enter as tensors
+            key = (tuple((without_floats(n.sig), n.lifts is not None) if n.floats else n.sig for n in segment.nodes), alias)
             cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
         if steps is not None:
             missed = self._guard_miss(segment, steps)

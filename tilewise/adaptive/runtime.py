@@ -388,8 +388,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         for step in order:
             if isinstance(step, NodeStep):
                 steps.append(step)
-                if compiling:
-                    self._count_dynamic(nodes[step.index], dynamic)
+                if compiling:  # a node whose floats were just lifted is warming up with its new fingerprint
+                    self._count_dynamic(nodes[step.index], dynamic and nodes[step.index].lifts is None)
                 continue
             region = describe(segment, members[step.index], needed)
             entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
