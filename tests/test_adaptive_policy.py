@@ -102,9 +102,11 @@ aten = torch.ops.aten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", ["tensor_arg", "scalar_overload", "alpha", "foreach_alpha", "pow", "lerp",
-                                "foreach_lerp", "addcdiv_value", "addcmul_value"])
+                                "foreach_lerp", "addcdiv_value", "addcmul_value", "full"])
 def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
     def program(x, w, s):
+        if op == "full":  # a tensor made every step, filled with a number that changes (a noise level)
+            return (x + torch.full((8, 1), s / 3, dtype=dtype, device=x.device),)
         if op == "tensor_arg":
             return (x * s + 1,)
         if op == "scalar_overload":
@@ -292,6 +294,55 @@ def _trained_on_cpu_and_neuron(make_optimizer, mode: str, make_schedule=None) ->
     finally:
         torch.use_deterministic_algorithms(False)
     return got, expected
+
+
+def _eager_ops_per_step(steps: int, schedule_every: int) -> list[int]:
+    """SGD whose learning rate a StepLR schedule halves every `schedule_every` steps: the eager
+    ops of each adaptive step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to("neuron")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=schedule_every, gamma=0.5)
+    counts = []
+    with tilewise.engine(mode="adaptive"):
+        for _ in range(steps):
+            before = tilewise.stats().ops_eager
+            model(torch.randn(3, 4).to("neuron")).pow(2).mean().backward()
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+            tilewise.sync()
+            counts.append(tilewise.stats().ops_eager - before)
+    return counts
+
+
+def test_a_float_that_first_changes_after_the_step_has_compiled_compiles_again():
+    """StepLR keeps the rate for 8 steps, then halves it: the update's alpha enters the region as a
+    tensor from then on. The flush where it first changed made a plan for a segment whose floats
+    change (its update eager), cached for every later value: the update ran eagerly for the rest
+    of training (one op a step here, every parameter's update in a larger model)."""
+    counts = _eager_ops_per_step(steps=24, schedule_every=8)
+    assert counts[:3] == [counts[0]] * 3 and counts[0] > 0  # warming up
+    assert sum(counts[3:8]) == 0 and sum(counts[12:]) == 0, counts
+    got, expected = _trained_on_cpu_and_neuron(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "adaptive",
+                                               lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.5))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_the_same_ops_in_another_dtype_with_changing_floats_compile():
+    """A second loop of the same ops (here in float64) met a segment skeleton seen many times: its
+    first flush, floats still constants, was planned as changing constants and that plan served
+    every later flush, after the floats had become region inputs."""
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, 3, dtype=dtype)
+        tilewise.stats().reset()
+        with tilewise.engine(mode="adaptive"):
+            xn = x.to("neuron")
+            for step in range(12):
+                scale = step / 7 + 0.01 * step * step
+                assert torch.equal(((xn * scale) + 1).sum(1).cpu(), ((x * scale) + 1).sum(1))
+        stats = tilewise.stats()
+        assert stats.ops_compiled >= 27 and stats.ops_eager <= 9, (dtype, stats.report())
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])

@@ -24,6 +24,7 @@ class How(enum.Enum):
     SCALE_OTHER = "alpha of add/sub: addcmul of the other operand and alpha (sub: -alpha)"
     LIST_OVERLOAD = "the weight of _foreach_lerp: the List overload, given the tensor once per element"
     SCALE_FIRST = "value of addcmul/addcdiv: the first factor times value, then the op with value 1"
+    FILL = "fill_value of full: full of zeros, then fill with the number as a 0-dim tensor"
 
 
 class Lift(NamedTuple):
@@ -66,6 +67,10 @@ _LIST_TWINS = {aten._foreach_lerp_.Scalar: aten._foreach_lerp_.List, aten._forea
 
 def lifts_of(func, args, kwargs, inputs) -> tuple[Lift, ...] | None:
     """How each float argument of the op enters a region as a tensor; None where one cannot."""
+    if func is aten.full.default and len(args) > 1 and type(args[1]) is float:
+        # a tensor made every step filled with a number that changes (a diffusion sampler's noise
+        # level): `fill` converts a 0-dim tensor's double to the dtype as `full` converts its number
+        return (Lift(1, How.FILL, torch.float64),)
     dtype = _scalar_dtype(inputs)
     if dtype is None:
         return None
@@ -183,6 +188,9 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
             _pop(args, kwargs, lift.position)
             args[1] = graph.call_function(aten.mul.Tensor, (args[1], scalar))
             return graph.call_function(func, tuple(args), kwargs)
+        if lift.how is How.FILL:  # full's only float
+            zeros = graph.call_function(func, (args[0], 0.0), kwargs)  # 0.0: the dtype a float fill infers
+            return graph.call_function(aten.fill.Tensor, (zeros, scalar))
         if lift.how is How.LIST_OVERLOAD:
             _put(args, kwargs, lift.position, [scalar] * len(args[0]))
         else:
