@@ -102,9 +102,13 @@ aten = torch.ops.aten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", ["tensor_arg", "scalar_overload", "alpha", "foreach_alpha", "pow", "lerp",
-                                "foreach_lerp", "addcdiv_value", "addcmul_value", "full"])
+                                "foreach_lerp", "addcdiv_value", "addcmul_value", "full", "foreach_addcdiv_value"])
 def test_each_way_a_changing_float_enters_a_region_equals_cpu(op, dtype):
     def program(x, w, s):
+        if op == "foreach_addcdiv_value":  # RMSprop's update under a schedule: value=-lr, packed as `scalars`
+            a, b = x * 1, w * 1
+            torch._foreach_addcdiv_([a, b], [w, x], [x, w], -s / 5)
+            return a, b
         if op == "full":  # a tensor made every step, filled with a number that changes (a noise level)
             return (x + torch.full((8, 1), s / 3, dtype=dtype, device=x.device),)
         if op == "tensor_arg":
@@ -327,6 +331,18 @@ def test_a_float_that_first_changes_after_the_step_has_compiled_compiles_again()
     got, expected = _trained_on_cpu_and_neuron(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "adaptive",
                                                lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4, 0.5))
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_an_update_whose_tensor_twin_packs_its_scalars_compiles_under_a_schedule():
+    """RMSprop's update is `_foreach_addcdiv_(params, grads, avg, value=-lr)`; a scheduled lr entered
+    as the Tensor overload's `scalars` 0-dim, which CPU's kernel refuses (one per tensor, 1-d): the
+    step's region failed to compile at every flush and the whole step ran eagerly."""
+    got, expected = _trained_on_cpu_and_neuron(lambda p: torch.optim.RMSprop(p, lr=1e-2), "adaptive",
+                                               lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9))
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    stats = tilewise.stats()
+    assert not [key for key in stats.fallbacks if "compile failed" in key[1]], stats.report()
+    assert stats.compiled_fraction > 0.5, stats.report()
 
 
 def test_the_same_ops_in_another_dtype_with_changing_floats_compile():

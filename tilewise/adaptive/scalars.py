@@ -193,6 +193,10 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
             return graph.call_function(aten.fill.Tensor, (zeros, scalar))
         if lift.how is How.LIST_OVERLOAD:
             _put(args, kwargs, lift.position, [scalar] * len(args[0]))
+        elif lift.how is How.TENSOR_OVERLOAD and _packs_scalars(func, lift.position):
+            packed = graph.call_function(aten.expand.default, (scalar, [len(args[0])]))
+            _put(args, kwargs, lift.position, graph.call_function(aten.clone.default, (packed,),
+                                                                  {"memory_format": torch.contiguous_format}))
         else:
             _put(args, kwargs, lift.position, scalar)
     if any(lift.how is How.TENSOR_OVERLOAD for lift in lifts):
@@ -200,6 +204,15 @@ def lifted_call(graph, func, args: list, kwargs: dict, lifts: tuple[Lift, ...], 
     elif any(lift.how is How.LIST_OVERLOAD for lift in lifts):
         func = _LIST_TWINS[func]
     return graph.call_function(func, tuple(args), kwargs)
+
+
+def _packs_scalars(func, position) -> bool:
+    """Whether the Tensor twin takes the number at `position` as `scalars`, one per element of its
+    lists in a contiguous 1-d tensor (`_foreach_addcdiv_.Tensor`: RMSprop's update under a
+    schedule; CPU's kernel refuses a 0-dim one), not as a 0-dim tensor."""
+    if isinstance(position, str):
+        return position == "scalars"
+    return twin_of(func)._schema.arguments[position].name == "scalars"
 
 
 def tensors_of(args, kwargs, lifts: tuple[Lift, ...]) -> list[torch.Tensor]:
