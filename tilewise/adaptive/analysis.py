@@ -121,10 +121,11 @@ def execution_order(graph: nx.DiGraph, regions: list[list[int]], count: int) -> 
 
 
 def float_dependent(nodes) -> list[bool]:
-    """Per node: it has float constants, or reads a value computed from one. Floats lifted into
-    region inputs (adaptive/scalars.py) are no constants: such a node keeps one fingerprint
-    whatever their values, and becomes stable as any node does."""
+    """Per node: its float constants change from flush to flush, or it reads a value computed from
+    such a node. Not a node whose floats never changed (Adadelta's rho: a constant, whatever comes
+    after it), nor one whose changing floats enter regions as tensors (adaptive/scalars.py): each
+    keeps one fingerprint and becomes stable as any node does."""
     floating: list[bool] = []
     for node in nodes:
-        floating.append(node.floats and node.lifts is None or any(floating[source] for source, _ in node.srcs))
+        floating.append(node.changing and node.lifts is None or any(floating[source] for source, _ in node.srcs))
     return floating

@@ -61,7 +61,7 @@ def _held(wrapped: NeuronTensor) -> weakref.ref:
 
 class Node:
     __slots__ = ("func", "plan", "args", "kwargs", "outs", "kind", "local", "fp", "ext", "wrappers",
-                 "roots", "srcs", "inputs", "floats", "out_meta", "sig", "lifts", "core")
+                 "roots", "srcs", "inputs", "floats", "changing", "out_meta", "sig", "lifts", "core")
 
     def __repr__(self):
         return f"Node({self.plan.name}, {self.kind})"
@@ -123,6 +123,7 @@ class Segment:
             node.func, node.plan, node.core = func, plan, self.core
             node.srcs = []   # (segment node index, output index) of in-segment inputs
             node.floats = False  # has float constants (which may change from flush to flush)
+            node.changing = False  # ... and they have changed at its site (_generalise_floats)
             # Every host tensor the op reads, flattened in argument order. Python scalars are
             # constants of the node (and of any region compiled from it): the compiler specialises on
             # them, so a changed value is a new signature.
@@ -376,6 +377,7 @@ def _generalise_floats(node: Node, site: tuple, sites) -> None:
         if seen == node.local:
             return
         sites.put(site, _CHANGED)
+    node.changing = True
     node.lifts = scalars.lifts_of(node.func, node.args, node.kwargs, node.inputs)
     if node.lifts is not None:
         node.sig = site[2]
