@@ -22,7 +22,7 @@ import torch
 from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor, names_neuron
+from ..device.tensor import NeuronTensor, device_tensors, names_neuron
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, restride_wrapper, run, run_composite
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
@@ -245,9 +245,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         """Keep a segment on one core: an op on another core flushes the segment first and starts
         a new one there; an op on two cores (a transfer, or PyTorch's same-device error) runs
         eagerly."""
-        cores = {t._core for t in _device_tensors(args)}
+        cores = {t._core for t in device_tensors(args)}
         if kwargs:
-            cores.update(t._core for t in _device_tensors(kwargs.values()))  # out=, tensors passed by name
+            cores.update(t._core for t in device_tensors(kwargs.values()))  # out=, tensors passed by name
             device = kwargs.get("device")
             if device is not None and names_neuron(device):
                 cores.add(check_device(device).index)
@@ -264,7 +264,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
     def _random(self, func, args, kwargs, settings: Settings):
         """Random ops draw now, in eager's order; what they read must be computed already."""
         plan = plan_of(func)
-        pending = any(self.is_pending(t._data) for t in _device_tensors((*args, *kwargs.values())))
+        pending = any(self.is_pending(t._data) for t in device_tensors((*args, *kwargs.values())))
         if func is aten.native_dropout.default and pending and _is_training_dropout(args):
             return self._dropout(*args[:2], settings)
         if pending or plan.mutates:
@@ -491,13 +491,6 @@ def _flat(values):
         else:
             yield value
 
-
-def _device_tensors(values):
-    for value in values:
-        if isinstance(value, NeuronTensor):
-            yield value
-        elif type(value) is list or type(value) is tuple:
-            yield from _device_tensors(value)
 
 
 def _is_training_dropout(args) -> bool:

@@ -141,6 +141,15 @@ def _count(data: torch.Tensor, core: int) -> None:
                           "neuron; use .dequantize() first")
 
 
+def device_tensors(values):
+    """The device tensors among `values`, lists and tuples of them included."""
+    for value in values:
+        if isinstance(value, NeuronTensor):
+            yield value
+        elif type(value) is list or type(value) is tuple:
+            yield from device_tensors(value)
+
+
 def wrap_fresh(data: torch.Tensor, size, stride, dtype: torch.dtype, core: int = 0) -> NeuronTensor:
     """wrap() for a buffer the engine has just allocated on neuron:<core> with this size, stride
     and dtype: dense, at offset 0, no conjugate or negative bit. Every op the lazy engine records

@@ -1,5 +1,5 @@
 """Op-by-op execution on the simulated device; also the fallback path of the lazy modes."""
-from . import cuda_inputs, executor, factories, kernel_choice, nested_fast_path
+from . import executor, factories, kernel_choice, nested_fast_path
 from .executor import counters, execute
 
 
@@ -7,7 +7,6 @@ def install() -> None:
     executor.install()
     factories.install()
     kernel_choice.install()
-    cuda_inputs.install()
     nested_fast_path.install()
 
 

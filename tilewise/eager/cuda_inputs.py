@@ -9,8 +9,8 @@ int input", transformers/integrations/moe.py); CPU's histc has no integer kernel
 step failed on `neuron`, in every mode. Here such an op computes on those inputs what CUDA's kernel
 computes, in aten ops (recorded and compiled like any others), and is CPU's kernel otherwise.
 
-Registered at AutogradPrivateUse1 (a histogram has no gradient): under inference_mode, which skips
-that key, an integer histc still meets CPU's error.
+Registered at AutogradPrivateUse1 (a histogram has no gradient; `ABOVE_AUTOGRAD`): under
+inference_mode, which skips that key, an integer histc still meets CPU's error.
 """
 from __future__ import annotations
 
@@ -48,13 +48,5 @@ def _histc_of_integers(input, bins, min, max):
     return counts.to(input.dtype)
 
 
-_library: torch.library.Library | None = None
-
-
-def install() -> None:
-    """Register the ops above at AutogradPrivateUse1; idempotent."""
-    global _library
-    if _library is not None:
-        return
-    _library = torch.library.Library("aten", "IMPL")
-    _library.impl("histc", histc, "AutogradPrivateUse1")
+# Registered at AutogradPrivateUse1 by composite.install, with the composites that replace ops there.
+ABOVE_AUTOGRAD = {"histc": histc}

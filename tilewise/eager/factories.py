@@ -27,7 +27,7 @@ import torch
 
 from ..device import backward_errors
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor
+from ..device.tensor import device_tensors
 from .executor import check_device, run
 
 _aten = torch.ops.aten
@@ -97,17 +97,10 @@ def _device_op(func, *args, **kwargs):
     device="neuron") copies into the tensor it has just made, and a Hugging Face decoder makes
     its cache so in every attention layer; flushing there cut each step's segment into one per
     layer and then some."""
-    if DEVICE.lazy_pending and DEVICE.pending_work_touches(list(_device_tensors((*args, *kwargs.values())))):
+    if DEVICE.lazy_pending and DEVICE.pending_work_touches(list(device_tensors((*args, *kwargs.values())))):
         DEVICE.synchronize()
     return run(func, args, kwargs)
 
-
-def _device_tensors(values):
-    for value in values:
-        if isinstance(value, NeuronTensor):
-            yield value
-        elif type(value) is list or type(value) is tuple:
-            yield from _device_tensors(value)
 
 
 def _kernel_for(func):
