@@ -492,7 +492,6 @@ def _flat(values):
             yield value
 
 
-
 def _is_training_dropout(args) -> bool:
     x, p, train = args[0], args[1], args[2] if len(args) > 2 else True
     return bool(train) and 0.0 < p < 1.0 and x.numel() > 0

@@ -235,7 +235,12 @@ def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, 
 
 class _FiniteRun(torch.fx.Interpreter):
     """The graph run node by node, a result holding NaN or infinities replaced by a copy holding
-    zeros there (a copy: the result may be an expanded view, and a later in-place op writes it)."""
+    zeros there (a copy: the result may be an expanded view, and a later in-place op writes it).
+    With `__torch_function__` off, as a bound graph's forward runs (bindings.py)."""
+
+    def run(self, *args):
+        with torch._C.DisableTorchFunction():
+            return super().run(*args)
 
     def run_node(self, node: torch.fx.Node):
         return torch.fx.node.map_aggregate(super().run_node(node), _finite)
