@@ -65,7 +65,7 @@ def _check_arguments(gm, example_inputs, spec, name) -> None:
     placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     if placeholders != len(example_inputs):
         raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
-    # (for indexing, only a mask's: the trace refuses one, DynamicOutputShapeException)
+    # (for indexing, only a mask's: decompose.trace refuses a graph whose sizes come from data)
     dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
                       and torch.Tag.dynamic_output_shape in n.target.tags and n.target not in SHAPE_FROM_MASKS_ONLY})
     if dynamic:
