@@ -15,9 +15,11 @@
   layers call it by default: a float32 Mixtral step's regions failed to trace ("Expected inputs of
   BF16 type") and ran eagerly.
 
-Tests hold these to the CPU kernels (and the upsampling ones to the C++ meta kernels). Registered
-as PyTorch registers its own Python meta kernels (`py_impl(Meta)`): they answer only where the
-Python dispatcher is on, i.e. while make_fx traces; PyTorch's own eager meta calls keep theirs.
+Tests hold these to the CPU kernels (and the upsampling ones to the C++ meta kernels). The
+upsampling ones are registered as PyTorch registers its own Python meta kernels (`py_impl(Meta)`):
+they answer only where the Python dispatcher is on, i.e. while make_fx traces; eager meta calls keep
+the C++ kernels. `_grouped_mm`'s replaces PyTorch's Python one where that one is registered, at the
+Meta key: every meta call in the process describes CPU's result, the only kernel a CPU build runs.
 """
 from __future__ import annotations
 
