@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..eager.plan import SHAPE_FROM_MASKS_ONLY
 from ..reasons import Reason, Why
 
 
@@ -123,6 +122,11 @@ def runs_now(func) -> Reason | None:
     if torch.Tag.data_dependent_output in tags:
         return Reason(Why.READS_DEVICE_DATA)
     return None
+
+
+# Tagged dynamic_output_shape for one kind of input only: indexing takes its result's shape from the
+# data of a boolean (or uint8) mask, from the index tensors' shapes for integer indices (`x[perm]`).
+SHAPE_FROM_MASKS_ONLY = frozenset({torch.ops.aten.index.Tensor})
 
 
 def shape_reads_data(func, args) -> bool:

@@ -22,7 +22,7 @@ import torch
 from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor, device_tensors, names_neuron
+from ..device.tensor import device_tensors, names_neuron
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, restride_wrapper, run, run_composite
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
@@ -476,8 +476,8 @@ def _moves_no_element(tensor, size, stride, storage_offset=None) -> bool:
     """Whether `as_strided_(tensor, size, stride, storage_offset)` leaves every element where it is:
     the same sizes and offset, strides differing only where a size is 1 (or the tensor is empty)."""
     offset = tensor.storage_offset() if storage_offset is None else storage_offset
-    return (isinstance(tensor, NeuronTensor) and list(size) == list(tensor.shape) and offset == tensor.storage_offset()
-            and (tensor.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(size, stride, tensor.stride()))))
+    return list(size) == list(tensor.shape) and offset == tensor.storage_offset() \
+        and (tensor.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(size, stride, tensor.stride())))
 
 
 def _indices_on_device(func, args, kwargs) -> tuple:

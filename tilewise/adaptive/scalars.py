@@ -210,9 +210,7 @@ def _packs_scalars(func, position) -> bool:
     """Whether the Tensor twin takes the number at `position` as `scalars`, one per element of its
     lists in a contiguous 1-d tensor (`_foreach_addcdiv_.Tensor`: RMSprop's update under a
     schedule; CPU's kernel refuses a 0-dim one), not as a 0-dim tensor."""
-    if isinstance(position, str):
-        return position == "scalars"
-    return twin_of(func)._schema.arguments[position].name == "scalars"
+    return isinstance(position, int) and twin_of(func)._schema.arguments[position].name == "scalars"
 
 
 def tensors_of(args, kwargs, lifts: tuple[Lift, ...]) -> list[torch.Tensor]:

@@ -279,6 +279,20 @@ def host_factories(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+def _sizes_from_data(traced: torch.fx.GraphModule) -> list[str]:
+    """The ops whose results have sizes no input has, taken from data (unbacked symbols): unique,
+    nonzero, indexing by a mask. The trace decides per call what an op's tag says of every call
+    (aten.index.Tensor's dynamic_output_shape is for masks only)."""
+    found = set()
+    for node in traced.graph.nodes:
+        new = free_unbacked_symbols(node.meta.get("val"))
+        for source in node.all_input_nodes:
+            new -= free_unbacked_symbols(source.meta.get("val"))
+        if new:
+            found.add(str(node.target))
+    return sorted(found)
+
+
 # node.meta key: the strides CPU's kernel gave a recorded op's output (adaptive/regions.build_graph)
 RECORDED_STRIDES = "tilewise_recorded_strides"
 
@@ -440,8 +454,8 @@ def trace(gm: torch.fx.GraphModule, inputs, tracing_mode: str, name: str) -> tor
     except _DATA_DEPENDENT as error:  # a decomposition that reads data (take's bounds check, say)
         raise CompileError(f"{name}: a decomposition depends on data ({type(error).__name__}); "
                            "it runs eagerly") from error
-    depends = sorted({str(node.target) for node in traced.graph.nodes if free_unbacked_symbols(node.meta.get("val"))})
-    if depends:  # indexing by a mask: what the tag of aten.index.Tensor cannot tell (entry.py)
+    depends = _sizes_from_data(traced)
+    if depends:
         raise CompileError(f"{name}: the graph has ops whose output shape depends on data ({', '.join(depends)}): "
                            "tile programs need static shapes; run them eagerly")
     traced.graph.eliminate_dead_code()

@@ -6,7 +6,6 @@ import torch
 
 from ..config import config
 from ..device.spec import DeviceSpec
-from ..eager.plan import SHAPE_FROM_MASKS_ONLY
 from ..errors import CompileError, ConfigError
 from . import background, cache
 from .driver import CompiledRegion
@@ -53,8 +52,8 @@ def _armed(compiled: CompiledRegion, native_after_runs: int | None) -> CompiledR
 
 
 def _check_arguments(gm, example_inputs, spec, name) -> None:
-    """Bad arguments are ConfigErrors that say what was expected, before any pass runs; a graph
-    no tile program can express is a CompileError."""
+    """Bad arguments are ConfigErrors that say what was expected, before any pass runs (a graph
+    whose sizes come from data is refused by the decomposing trace: decompose.py)."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise ConfigError(f"compile_graph expects a torch.fx.GraphModule (e.g. from make_fx); got {type(gm).__name__}")
     if not isinstance(example_inputs, (list, tuple)):
@@ -65,12 +64,6 @@ def _check_arguments(gm, example_inputs, spec, name) -> None:
     placeholders = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
     if placeholders != len(example_inputs):
         raise ConfigError(f"the graph takes {placeholders} inputs; got {len(example_inputs)} example inputs")
-    # (for indexing, only a mask's: decompose.trace refuses a graph whose sizes come from data)
-    dynamic = sorted({str(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
-                      and torch.Tag.dynamic_output_shape in n.target.tags and n.target not in SHAPE_FROM_MASKS_ONLY})
-    if dynamic:
-        raise CompileError(f"the graph has ops whose output shape depends on data ({', '.join(dynamic)}): "
-                           "tile programs need static shapes; run them eagerly")
     if not isinstance(spec, DeviceSpec):
         raise ConfigError(f"spec must be a DeviceSpec (tilewise.device.PRESETS: trn2, trn3) or None; got {spec!r}")
     if not isinstance(name, str) or not name:

@@ -30,10 +30,6 @@ CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_c
 # for a compiled region's recorded graph to write into a buffer: an op reading one crashes).
 MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
 
-# Tagged dynamic_output_shape for one kind of input only: indexing takes its result's shape from the
-# data of a boolean (or uint8) mask, from the index tensors' shapes for integer indices (`x[perm]`).
-SHAPE_FROM_MASKS_ONLY = frozenset({torch.ops.aten.index.Tensor})
-
 
 class OpPlan(NamedTuple):
     name: str                      # overload packet name, e.g. "add"
