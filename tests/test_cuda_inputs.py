@@ -68,8 +68,15 @@ def _moe_step(device: str, mode: str | None, steps: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_mixture_of_experts_step_computes_cpu_s_values_and_compiles(mode):
-    expected = _moe_step("cpu", None, steps=4)
-    got = _moe_step("neuron", mode, steps=4)
+    # regions on their recorded graphs: by default a region whose C measures faster runs it, within
+    # float32's tolerance, and the adaptive run before this one may have built it (the loss's mean
+    # in C was one ulp off in a full-suite run; forced to the C, two of the four losses are)
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = _moe_step("cpu", None, steps=4)
+        got = _moe_step("neuron", mode, steps=4)
+    finally:
+        torch.use_deterministic_algorithms(False)
     for value, want in zip(got, expected):
         assert torch.equal(value, want)
     stats = tilewise.stats()
