@@ -407,3 +407,68 @@ def test_a_scheduled_learning_rate_of_a_fused_optimizer_enters_the_region_as_a_t
     assert stats.compiles <= 2, stats.report()
     if mode == "compiled":
         assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()
+
+
+def _sample(device: str, steps: int, on_step=lambda t: None) -> torch.Tensor:
+    """A diffusion sampler's loop: its schedule read at each step's index (`betas[t]`, views taken
+    outside the region at a new storage offset every step), the step read back each time."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(17, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16)).to(device)
+    betas = torch.linspace(1e-4, 0.02, steps, device=device)
+    alphas = 1 - betas
+    alphas_cumprod = torch.cumprod(alphas, 0)
+    noise = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=noise).to(device)
+    with torch.no_grad():
+        for t in reversed(range(steps)):
+            eps = model(torch.cat([x, torch.full((8, 1), t / steps, device=device)], 1))
+            x = (x - betas[t] / torch.sqrt(1 - alphas_cumprod[t]) * eps) / torch.sqrt(alphas[t])
+            x = x + torch.sqrt(betas[t]) * torch.randn(8, 16, generator=noise).to(device)
+            x.abs().max().item()  # a check each step: one segment a step
+            on_step(t)
+    return x.cpu()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_sampler_reading_its_schedule_at_each_steps_index_compiles_once(mode):
+    """The step's region takes `betas[t]` and its kin at new offsets each step: the same region
+    wherever its inputs start, served by one compile (adaptive mode waited forever, compiled mode
+    compiled each offset up to its recompile limit, then ran eagerly)."""
+    torch.use_deterministic_algorithms(True)  # regions on their recorded graphs: bitwise
+    counts = {}
+
+    def count(t):
+        stats = tilewise.stats()
+        counts[t] = (stats.ops_eager, stats.ops_compiled, stats.compiles)
+
+    try:
+        expected = _sample("cpu", 30)
+        with tilewise.engine(mode=mode):
+            got = _sample("neuron", 30, on_step=count)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(got, expected)
+    # steps 19 to 1 (at step 0 the views start at offset 0, which the shape-free form tells apart)
+    eager, compiled, compiles = (after - before for after, before in zip(counts[1], counts[20]))
+    assert eager == 0 and compiles == 0 and compiled > 0, tilewise.stats().report()
+
+
+def test_a_region_whose_graph_reads_its_inputs_offsets_is_not_served_at_others():
+    """Two views of one storage the region writes enter it as that storage, their views rebuilt
+    inside at their offsets (regions.build_graph): such a compile is for its offsets only."""
+    def run(device):
+        buffer = torch.arange(64, dtype=torch.float32).to(device)
+        views = [(buffer[t:t + 4], buffer[t + 20:t + 24]) for t in range(8)]
+        sums = []
+        for a, b in views:
+            a.add_(a + b)
+            b.mul_(2.0)
+            sums.append(b.sum().item())
+        return buffer.cpu(), sums
+
+    expected = run("cpu")
+    with tilewise.engine(mode="compiled"):
+        got = run("neuron")
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
+    stats = tilewise.stats()
+    assert stats.compiles >= 8 and stats.ops_compiled > 0, stats.report()

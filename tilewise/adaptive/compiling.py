@@ -8,6 +8,7 @@ cache, statistics and events, and GenericSites' `_count_compile`.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import os
 import threading
 import time
@@ -19,11 +20,17 @@ from ..device.runtime import DEVICE
 from ..host_threads import run_kernels_serially
 from . import events
 from .policy import Reason, Why, compiles_in_background, native_after_runs
-from .regions import CompiledEntry, Region, build_graph
+from .regions import CompiledEntry, Region, build_graph, reads_offsets, without_offsets
 from .segment import Segment
 
-FAILED = "failed"  # the regions cache's entry for a region the compiler failed on
 
+class Unserved(enum.Enum):
+    """What the region caches hold for a region no compile serves."""
+    FAILED = "the compiler failed on it"
+    READS_OFFSETS = "its compile reads its inputs' offsets: it serves those offsets only"
+
+
+FAILED, READS_OFFSETS = Unserved.FAILED, Unserved.READS_OFFSETS
 
 _thread_role = threading.local()
 
@@ -73,6 +80,7 @@ class RegionCompiler:
 
     def _give_up(self, region: Region, reason: Reason) -> None:
         self.regions.put(region.key, FAILED)
+        self.offset_free.put(without_offsets(region.key), FAILED)  # at other offsets it fails alike
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region, site):
@@ -96,7 +104,9 @@ class RegionCompiler:
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
             return self._give_up(region, compile_failure(error))
         if isinstance(compiled, background.Job):
-            self.regions.put(region.key, Compiling(compiled, gm, site))
+            compiling = Compiling(compiled, gm, site)
+            self.regions.put(region.key, compiling)
+            self.offset_free.put(without_offsets(region.key), compiling)  # a region at other offsets waits for it
             self.stats.background_compiles += 1
             self.stats.compiling_ops += len(region.nodes)
             return None
@@ -111,7 +121,7 @@ class RegionCompiler:
             self.stats.compiling_ops += len(region.nodes)
             return None
         if job.lost is not None:  # the compile process failed (it warned): compile here instead
-            del self.regions[region.key]
+            self.regions.pop(region.key, None)  # absent where the region came at another offset
             return self._compile(segment, region, compiling.site)
         DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
                              ops=len(region.nodes), seconds_compiling=job.seconds)
@@ -132,6 +142,7 @@ class RegionCompiler:
         entry = CompiledEntry(compiled, region, seconds, compiled.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
         self.regions.put(region.key, entry)
+        self._serve_other_offsets(region, entry, reads_offsets(compiled.source, compiled.gm))
         self.events.publish(events.RegionCompiled(
             compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
@@ -139,6 +150,17 @@ class RegionCompiler:
         if site is not None:
             self._count_compile(site, entry.name)
         return entry
+
+    def _serve_other_offsets(self, region: Region, entry: CompiledEntry, reads: bool) -> None:
+        """Let the region at any other input offsets run this compile, unless its graphs read
+        offsets. Keys still waiting for the compile it came from (a background compile, taken in at
+        another offset than it was asked for) get the entry too: none compiles it again."""
+        loose = without_offsets(region.key)
+        waiting = self.offset_free.get(loose)
+        if type(waiting) is Compiling:
+            for key in [key for key, value in self.regions.items() if value is waiting]:
+                self.regions[key] = entry
+        self.offset_free.put(loose, READS_OFFSETS if reads else entry)
 
     @staticmethod
     def in_compiler_thread(compile_fn, *args, **kwargs):

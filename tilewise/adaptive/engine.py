@@ -92,7 +92,8 @@ def explain(region: str | None = None, passes: bool = False) -> str:
     "region2" from `stats().report()`): the decomposed graph annotated with fusion groups, the tile
     kernels, the launches with what stays in SBUF, their cost, and every refused fusion with its
     reason. `passes=True` shows the region after every pass instead of after the last."""
-    entries = [e for e in list(RUNTIME.regions.values()) if isinstance(e, CompiledEntry)]
+    # one compile may serve several keys (a region at other input offsets): each entry once
+    entries = list(dict.fromkeys(e for e in list(RUNTIME.regions.values()) if isinstance(e, CompiledEntry)))
     if region is not None:
         chosen = [e for e in entries if e.name == region]
         if not chosen:

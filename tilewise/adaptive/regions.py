@@ -89,6 +89,31 @@ def key_with(key: tuple, sigs: dict[int, tuple]) -> tuple:
     return (nodes,) + key[1:]
 
 
+def without_offsets(key: tuple) -> tuple:
+    """The region key with every tensor's storage offset left out: one key for regions that
+    differ only in where their inputs start in their storages. A sampler's `betas[t]`, taken
+    outside the region at each step's t, enters it at a new offset every step."""
+    def strip(entry):
+        if shapes.is_metadata(entry):
+            return (entry[0], entry[1], entry[3]) + tuple(entry[4:])
+        if type(entry) is tuple:
+            return tuple(strip(e) for e in entry)
+        return entry
+    return (tuple((func, strip(tail), sources) for func, tail, sources in key[0]),) + key[1:]
+
+
+# Ops whose arguments name absolute storage offsets: a graph holding one (the views of a shared
+# storage rebuilt by `build_graph`, decompositions such as unfold's) computes for its inputs'
+# offsets only.
+_READ_OFFSETS = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                           torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default})
+
+
+def reads_offsets(*graphs: torch.fx.GraphModule) -> bool:
+    """Whether any of these graphs depends on where its inputs start in their storages."""
+    return any(node.target in _READ_OFFSETS for gm in graphs for node in gm.graph.nodes)
+
+
 def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
     """Groups of input slots that share a storage some region node writes. The compiler traces
     inputs as independent tensors, so a write through one would not be seen through the others;

@@ -29,10 +29,10 @@ from ..errors import CompileError, NeuronOutOfMemoryError
 from . import analysis, events, interrupts, scalars, shapes
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values
+from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values, without_offsets
 from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
                      shape_reads_data, stable_after)
-from .compiling import FAILED, Compiling, RegionCompiler, on_compiler_thread
+from .compiling import FAILED, READS_OFFSETS, Compiling, RegionCompiler, on_compiler_thread
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -100,6 +100,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         # (shape-free fingerprints, aliasing) -> a final plan's steps, regions as their node indices
         self.size_free_plans = BoundedCache(regions)
         self.regions = BoundedCache(regions)
+        # region key without offsets -> its compile where its graphs read no offset (any offset's
+        # region runs it), READS_OFFSETS where they do, or the Compiling under way
+        self.offset_free = BoundedCache(regions)
         self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
         self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
         # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
@@ -112,7 +115,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions", "sites", "sightings",
+                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions", "offset_free", "sites", "sightings",
                  "skeletons", "generic_sigs", "seen_generic", "last_sigs", "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
@@ -430,20 +433,34 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         if entry is not None:
             self.regions.touch(region.key)
             return entry
+        loose = without_offsets(region.key)
+        elsewhere = self.offset_free.get(loose)
+        if elsewhere is FAILED:
+            return None
+        if type(elsewhere) is Compiling:
+            return self._when_compiled(segment, region, elsewhere)
+        if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
+            self.offset_free.touch(loose)
+            return elsewhere
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
         site = self._site(segment, region, before)
+        offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
             changes = shapes.changes(site.first, region.key)
             # a generic region serves its site's every signature; else generalise only for sizes
             # that change (strides or offsets alone stay static)
             if site.generic is not None or changes.ints or any(changes.dims):
                 return self._other_sizes(segment, region, site, changes, settling)
+            # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
+            # say, unless a compile of it read the offsets
+            offsets_only = elsewhere is None and without_offsets(site.first) == loose
         site_ops = tuple(segment.nodes[n].func for n in region.nodes)
         signatures = self.sites.get(site_ops, 0) + 1
         mode = segment.settings.mode
-        decision = on_region_miss(mode, settling, self.sightings.count(region.key), signatures,
-                                  config.recompile_limit, sizes_change)
+        sightings = self.sightings.count(loose if offsets_only else region.key)
+        decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
+                                  sizes_change and not offsets_only)
         if decision.verdict is Verdict.WAIT:
             self.stats.warmup_ops += len(region.nodes)
             return None

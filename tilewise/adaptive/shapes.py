@@ -82,7 +82,7 @@ def _generic_tail(func, tail: tuple) -> tuple:
 
 
 def _generic(entry, sizes: bool):
-    if _is_metadata(entry):  # (shape, stride, offset, dtype[, source])
+    if is_metadata(entry):  # (shape, stride, offset, dtype[, source])
         shape, stride = entry[0], entry[1]
         return ("tensor", len(shape), entry[3], tuple(s == 0 for s in stride), _order(stride),
                 entry[2] == 0) + tuple(entry[4:])
@@ -93,7 +93,7 @@ def _generic(entry, sizes: bool):
     return entry
 
 
-def _is_metadata(entry) -> bool:
+def is_metadata(entry) -> bool:
     return type(entry) is tuple and len(entry) >= 4 and isinstance(entry[0], torch.Size) and \
         isinstance(entry[3], torch.dtype)
 
@@ -119,13 +119,13 @@ def input_sizes(key: tuple) -> tuple[tuple[int, ...], ...]:
         described = list(_tensor_entries(tail[0])) + (list(_tensor_entries(tail[2])) if len(tail) > 2 else [])
         for entry, source in zip(described, sources):
             if source[0] == "in":
-                sizes.setdefault(source[1], tuple(entry[0]) if _is_metadata(entry) else tuple(entry[2]))
+                sizes.setdefault(source[1], tuple(entry[0]) if is_metadata(entry) else tuple(entry[2]))
     return tuple(sizes[slot] for slot in range(len(sizes)))
 
 
 def _tensor_entries(descr):
     for entry in descr:
-        if _is_metadata(entry) or type(entry) is tuple and entry[:1] == ("cpu-scalar",):
+        if is_metadata(entry) or type(entry) is tuple and entry[:1] == ("cpu-scalar",):
             yield entry
         elif type(entry) is tuple:
             yield from _tensor_entries(entry)
@@ -169,7 +169,7 @@ def changes(first: tuple, now: tuple) -> Changes:
 
 
 def _diff_ints(a, b, position: int, keyword: bool, where: tuple, found: list) -> None:
-    if _is_metadata(a):
+    if is_metadata(a):
         return
     if type(a) is tuple:
         for i, (x, y) in enumerate(zip(a, b)):
