@@ -37,6 +37,24 @@ def test_histc_of_integers_counts_as_cuda_does(mode, dtype):
             assert got.dtype == dtype and torch.equal(got, expected), (values, bins, low, high)
 
 
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_histc_of_integers_under_inference_mode_counts_as_cuda_does(mode):
+    """Under inference_mode the op reaches the device whole, below the autograd key its
+    replacement is registered at: the executor and the lazy runtime compute it alike (until
+    2026-12-04 CPU's error: '"histogram_cpu" not implemented for 'Int'')."""
+    cases = [(values.to(torch.int32), bins, low, high) for values, bins, low, high in _histogram_cases()[:20]]
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext(), torch.inference_mode():
+        for values, bins, low, high in cases:
+            got = torch.histc(values.to("neuron"), bins=bins, min=low, max=high).cpu()
+            expected = torch.histc(values.float(), bins=bins, min=low, max=high).to(torch.int32)
+            assert got.dtype == torch.int32 and torch.equal(got, expected), (values, bins, low, high)
+        floats = torch.randn(30)
+        assert torch.equal(torch.histc(floats.to("neuron"), bins=5).cpu(), torch.histc(floats, bins=5))
+    if mode == "compiled":  # recorded as its aten ops, which compile
+        stats = tilewise.stats()
+        assert stats.ops_compiled > 0 and not [r for (_, r) in stats.fallbacks if "compile failed" in r], stats.report()
+
+
 def test_histc_of_floats_is_cpu_s_and_bad_integer_arguments_say_why():
     x = torch.randn(50)
     assert torch.equal(torch.histc(x.to("neuron"), bins=7).cpu(), torch.histc(x, bins=7))

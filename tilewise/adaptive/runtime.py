@@ -23,6 +23,7 @@ from .. import collector
 from ..config import config
 from ..device.runtime import DEVICE
 from ..device.tensor import device_tensors, names_neuron
+from ..eager import cuda_inputs
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, restride_wrapper, run, run_composite
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
@@ -60,7 +61,7 @@ class OpInfo(NamedTuple):
     # tensors uploaded (executor.INDEXING); None for most ops
     rewrite: Callable | None
     decomposed: bool          # recorded as its aten ops (eager/plan.py, OpPlan.implicit)
-    special: bool             # rewritten or decomposed: dispatch's slow path
+    special: bool             # rewritten, decomposed, a view twin or cuda_inputs.BELOW_AUTOGRAD: dispatch's slow path
 
 
 class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
@@ -139,6 +140,10 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                 return self._decomposed(func, args, kwargs, settings)
             if func in VIEW_TWINS and (func is not aten.as_strided_.default or _moves_no_element(*args, **kwargs)):
                 return self._as_its_view(func, args, kwargs, settings)
+            if func in cuda_inputs.BELOW_AUTOGRAD:  # inputs CPU's kernel refuses, as CUDA's computes them
+                computed = cuda_inputs.instead(func, args, kwargs)
+                if computed is not None:
+                    return self._as_aten_ops(computed, settings)
             func, args, kwargs, info = self._rewritten(info, args, kwargs)
         with self.lock:  # not acquire() then try: see HBM.track
             self.stats.ops_seen += 1
@@ -192,10 +197,14 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def _decomposed(self, func, args, kwargs, settings: Settings):
         """An op that reaches the device whole only where autograd is off, run as autograd runs
-        it: its aten ops, each dispatched (and recorded) under a tracer with the block's settings,
-        as the handler that called this has popped the block's own."""
+        it: its aten ops."""
+        return self._as_aten_ops(functools.partial(run_composite, plan_of(func), args, kwargs), settings)
+
+    def _as_aten_ops(self, computation: Callable, settings: Settings):
+        """Run a computation in aten ops, each dispatched (and recorded) under a tracer with the
+        block's settings, as the handler that called this has popped the block's own."""
         with Tracer(self, settings):
-            return run_composite(plan_of(func), args, kwargs)
+            return computation()
 
     def _info(self, func) -> OpInfo:
         # keyed by id: an OpOverload hashes in Python; the entry holds its op, so the id stays its own
@@ -203,7 +212,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         if info is None or info.func is not func:
             rewrite, decomposed = _rewrite_of(func), plan_of(func).implicit
             info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), rewrite, decomposed,
-                                                    rewrite is not None or decomposed or func in VIEW_TWINS)
+                                                    rewrite is not None or decomposed or func in VIEW_TWINS
+                                                    or func in cuda_inputs.BELOW_AUTOGRAD)
         return info
 
     def _as_its_view(self, func, args, kwargs, settings: Settings):

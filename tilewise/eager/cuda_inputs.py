@@ -9,10 +9,14 @@ int input", transformers/integrations/moe.py); CPU's histc has no integer kernel
 step failed on `neuron`, in every mode. Here such an op computes on those inputs what CUDA's kernel
 computes, in aten ops (recorded and compiled like any others), and is CPU's kernel otherwise.
 
-Registered at AutogradPrivateUse1 (a histogram has no gradient; `ABOVE_AUTOGRAD`): under
-inference_mode, which skips that key, an integer histc still meets CPU's error.
+Two ways in, as for eager/composite.py's fused cells: registered at AutogradPrivateUse1 (a histogram
+has no gradient; `ABOVE_AUTOGRAD`), the op is replaced above autograd by its aten ops, which every
+mode records; under inference_mode, which skips that key, the op reaches the device whole, and the
+executor and the lazy runtime ask `instead` whether it runs as its aten ops.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -21,7 +25,7 @@ aten = torch.ops.aten
 
 def histc(input, bins=100, min=0, max=0):
     with torch._C._AutoDispatchBelowAutograd():
-        if input.is_floating_point() or input.is_complex() or input.dtype is torch.bool:
+        if _cpu_takes(input):
             return aten.histc.default(input, bins, min, max)
         return _histc_of_integers(input, bins, min, max)
 
@@ -50,3 +54,22 @@ def _histc_of_integers(input, bins, min, max):
 
 # Registered at AutogradPrivateUse1 by composite.install, with the composites that replace ops there.
 ABOVE_AUTOGRAD = {"histc": histc}
+
+
+def _histc_below_autograd(input, bins=100, min=0, max=0):
+    return None if _cpu_takes(input) else functools.partial(_histc_of_integers, input, bins, min, max)
+
+
+# The same ops as they reach the device below autograd (under inference_mode): per op, what its call
+# computes instead of CPU's kernel, or None where CPU's kernel takes the call's inputs.
+BELOW_AUTOGRAD = {aten.histc.default: _histc_below_autograd}
+
+
+def instead(func, args, kwargs):
+    """What runs in place of this call of a BELOW_AUTOGRAD op, on its device tensors (a callable),
+    or None: CPU's kernel takes it."""
+    return BELOW_AUTOGRAD[func](*args, **kwargs)
+
+
+def _cpu_takes(input) -> bool:
+    return input.is_floating_point() or input.is_complex() or input.dtype is torch.bool

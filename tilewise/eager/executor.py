@@ -14,7 +14,7 @@ from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap, wrap_output
 from ..errors import DeviceError
-from . import composite
+from . import composite, cuda_inputs
 from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
@@ -142,6 +142,10 @@ def _run(func, args, kwargs):
     func = MATERIALIZED.get(func, func)
     if func in INDEXING:
         func, args = indices_on_device(func, args)
+    if func in cuda_inputs.BELOW_AUTOGRAD:  # inputs CPU's kernel refuses, as CUDA's computes them
+        computed = cuda_inputs.instead(func, args, kwargs)
+        if computed is not None:
+            return computed()
     plan = plan_of(func)
     if plan.composite is not None:
         return run_composite(plan, args, kwargs)

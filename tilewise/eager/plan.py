@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from ..device.cost import engine_of
+from . import cuda_inputs
 from .composite import COMPOSITES
 
 # In-place ops that change a tensor's shape or strides (besides those tagged inplace_view): they
@@ -46,7 +47,8 @@ class OpPlan(NamedTuple):
     func: object                   # the OpOverload itself
     call: Callable                 # calls the op on host tensors (an OpOverload's C++ entry: no Python frame)
     # what the executor's fast path may run: a plain op (no composite, nothing returned it wrote,
-    # no transfer between devices) whose only arguments are device tensors and Python scalars
+    # no transfer between devices, CPU's kernel whatever the inputs: not cuda_inputs.BELOW_AUTOGRAD)
+    # whose only arguments are device tensors and Python scalars
     simple: bool
 
 
@@ -150,7 +152,7 @@ def _make_plan(func) -> OpPlan:
         func=func,
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
-        simple=composite is None and not mutating and not cross_device,
+        simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.BELOW_AUTOGRAD,
     )
 
 
