@@ -699,6 +699,32 @@ def test_loading_native_code_leaves_no_directory_behind_even_without_atexit(tmp_
     assert done.returncode == 0, done.stderr
     assert list(tmp_path.iterdir()) == []
 
+
+def test_the_next_build_sweeps_what_killed_processes_left_and_nothing_else(tmp_path):
+    """A process killed while it builds or loads (SIGKILL, a worker SIGTERMed at its parent's exit)
+    leaves its private directory; the next process to build removes those older than any build
+    whose process is gone, and those of earlier versions (named without a process) by age."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = tmp_path / f"tilewise-native-{gone.pid}-a1b2c3d4"
+    earlier_version = tmp_path / "tilewise-native-q1w2e3r4"
+    building_now = tmp_path / f"tilewise-native-{gone.pid}-e5f6g7h8"  # too young to be stale
+    running = tmp_path / f"tilewise-native-{os.getpid()}-i9j0k1l2"  # this test's process is alive
+    someone_elses = tmp_path / "unrelated"
+    for directory in (killed, earlier_version, building_now, running, someone_elses):
+        directory.mkdir()
+    (killed / "kernels.so").write_bytes(b"half a build")
+    long_ago = time.time() - 2 * native.STALE_AFTER_SECONDS
+    for directory in (killed, earlier_version, running, someone_elses):
+        os.utime(directory, (long_ago, long_ago))
+    script = ("from tilewise.compiler import native\n"
+              "assert native.load('int tilewise_sweep_probe(void) { return 5; }').tilewise_sweep_probe() == 5\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), TILEWISE_CACHE_DIR="off")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([building_now.name, running.name, someone_elses.name])
+
 # -- the compiler's OpInfo samples with native on ---------------------------------------------------
 
 NATIVE_OPS = ("add", "mul", "div.no_rounding_mode", "sub", "where", "exp", "tanh", "sigmoid", "nn.functional.gelu",

@@ -116,8 +116,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def cache_sizes(self) -> dict[str, CacheSize]:
         return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions", "offset_free", "sites", "sightings",
-                 "skeletons", "generic_sigs", "seen_generic", "last_sigs", "generic_sites")}
+                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions",
+                 "offset_free", "sites", "sightings", "skeletons", "generic_sigs", "seen_generic", "last_sigs",
+                 "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs, settings: Settings):

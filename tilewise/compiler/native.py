@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -124,7 +125,7 @@ def build(source: str) -> bytes:
     found = compiler()
     if found is None:
         raise CompileError(f"no C compiler {C_COMPILER!r} on PATH")
-    with tempfile.TemporaryDirectory(prefix="tilewise-native-") as directory:
+    with _private_directory() as directory:
         target = os.path.join(directory, "kernels.so")
         command = [found[0], *COMPILE_FLAGS, "-x", "c", "-", "-o", target, "-lm", *vml.link_arguments(source)]
         try:
@@ -136,6 +137,52 @@ def build(source: str) -> bytes:
             raise CompileError(f"the C compiler failed ({done.returncode}): {done.stderr[-2000:]}")
         with open(target, "rb") as built:
             return built.read()
+
+
+_PRIVATE_PREFIX = "tilewise-native-"
+# older than any build or load: a private directory left by a killed process
+STALE_AFTER_SECONDS = 2 * COMPILE_TIMEOUT_SECONDS
+
+
+def _private_directory() -> tempfile.TemporaryDirectory:
+    """A private (0700) temporary directory named with this process's id. A process killed while it
+    builds or loads (SIGKILL, SIGTERM: the tests' and benchmarks' worker processes) leaves its
+    directory behind; the next process to build sweeps those (`_sweep_stale_directories`)."""
+    _sweep_stale_directories()
+    return tempfile.TemporaryDirectory(prefix=f"{_PRIVATE_PREFIX}{os.getpid()}-")
+
+
+@functools.cache
+def _sweep_stale_directories() -> None:
+    """Remove, once per process, this user's private directories that no build or load holds: one
+    lives as long as a build (at most COMPILE_TIMEOUT_SECONDS) or a load, so an older one is a
+    killed process's, unless the process its name gives is still running. Directories of earlier
+    versions, named without the process, are swept by age alone."""
+    now, me = time.time(), os.getuid()
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name.removeprefix(_PRIVATE_PREFIX).partition("-")[0]
+        if not entry.name.startswith(_PRIVATE_PREFIX) or pid.isdigit() and _alive(int(pid)):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if entry.is_dir(follow_symlinks=False) and info.st_uid == me and now - info.st_mtime > STALE_AFTER_SECONDS:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 _libraries: dict[str, ctypes.PyDLL] = {}
@@ -169,7 +216,7 @@ def _open_bytes(data: bytes, key: str) -> ctypes.PyDLL:
     (a compile process killed at shutdown, a forked child's os._exit) left one behind in the
     temporary directory every time. PyDLL keeps the GIL held during a call, which also serialises
     the kernels' static scratch buffers."""
-    with tempfile.TemporaryDirectory(prefix="tilewise-native-") as directory:
+    with _private_directory() as directory:
         path = os.path.join(directory, f"{key}.so")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o700)
         try:
