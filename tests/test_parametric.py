@@ -172,7 +172,11 @@ def test_random_lengths_make_at_most_two_tile_programs_per_region_by_the_passes(
     generics, asked = _seq_generics(monkeypatch, lengths)
     stats = tilewise.stats()
     assert generics and stats.evaluated_sizes >= 10, stats.report()
-    for generic in generics:
+    # a region of the warm-up that the step's region then grows over may have generalised, once:
+    # it serves no size after its first
+    serving = [generic for generic in generics if generic.evaluated or len(generic.programs) > 1]
+    assert serving and len(generics) - len(serving) <= 1, generics
+    for generic in serving:
         assert generic.specialisations <= 2 and generic.evaluated >= 10, generic
     assert stats.specialisations <= 2 * len(generics), stats.report()
     assert "evaluated from parametric programs" in stats.report()

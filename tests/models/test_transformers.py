@@ -161,3 +161,29 @@ def test_bert_embeddings_under_inference_mode_match_cpu(mode):
         for g, w in zip(embeddings, _embed(model, ids, mask)):
             torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-5)
     assert_compiled_if_lazy(mode)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_long_greedy_generation_compiles_its_decode_step_once_for_every_length(name, mode):
+    """Each decode step's region meets a longer cache and takes the last token as a (1, 1) view
+    starting one element further in a row one element longer: one shape-generic compile serves
+    every length (its inputs share storage, read only; its guards leave offsets and size-1 strides
+    free). Until 2026-12-04 adaptive mode compiled none of it and compiled mode compiled each
+    length up to its recompile limit."""
+    torch.manual_seed(0)
+    model = build(name).eval()
+    neuron_model = neuron_copy(model)
+    ids = torch.arange(3, 9).reshape(1, 6)
+
+    def generate(model):
+        with torch.no_grad():
+            return model.generate(ids.to(model.device), max_new_tokens=20, do_sample=False, pad_token_id=0).cpu()
+
+    expected = generate(model)
+    with tilewise.engine(mode=mode):
+        tokens = generate(neuron_model)
+    assert torch.equal(tokens, expected)
+    stats = tilewise.stats()
+    # 20 lengths: compiles are per region site (the step, the prefill, small ones), not per length
+    assert stats.compiled_fraction > 0.8 and stats.compiles <= 12, stats.report()

@@ -16,11 +16,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..compiler.region import reads_offsets
 from ..device.runtime import DEVICE
 from ..host_threads import run_kernels_serially
 from . import events
 from .policy import Reason, Why, compiles_in_background, native_after_runs
-from .regions import CompiledEntry, Region, build_graph, reads_offsets, without_offsets
+from .regions import CompiledEntry, Region, build_graph, without_offsets
 from .segment import Segment
 
 

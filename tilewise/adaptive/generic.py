@@ -15,7 +15,7 @@ from ..device.runtime import DEVICE
 from . import events, regions, shapes
 from .compiling import compile_failure
 from .policy import Mode, Reason, Verdict, Why, compiles_in_background, on_other_sizes
-from .regions import CompiledEntry, Region, Sized, alias_signature, build_graph, key_with
+from .regions import CompiledEntry, Region, Sized, build_graph, key_with
 from .segment import Segment
 
 GENERIC_GUARD_MISS = "sizes outside the generic region's guards"
@@ -65,9 +65,11 @@ class GenericSites:
     def _site(self, segment: Segment, region: Region, before: dict) -> Site | None:
         """The region's site (its key without sizes), made at its first signature: the signature
         its nodes had at their previous size where they had one (so a region whose sizes changed
-        before it formed generalises at once). None for a region that cannot generalise (its
-        inputs share storage: views the compiler would rebuild with sizes compiled in)."""
-        if region.shared or len(set(alias_signature(region.arguments(segment)))) < len(region.inputs):
+        before it formed generalises at once). None for a region that cannot generalise: it
+        writes a storage its inputs share (`Region.shared`), whose views the compiler rebuilds
+        with their sizes compiled in. Inputs that share a storage the region only reads are traced
+        as independent tensors, as at one size (a decode step's ids and their last token)."""
+        if region.shared:
             return None
         key = shapes.generic_key(region.key)
         site = self.generic_sites.get(key)

@@ -102,18 +102,6 @@ def without_offsets(key: tuple) -> tuple:
     return (tuple((func, strip(tail), sources) for func, tail, sources in key[0]),) + key[1:]
 
 
-# Ops whose arguments name absolute storage offsets: a graph holding one (the views of a shared
-# storage rebuilt by `build_graph`, decompositions such as unfold's) computes for its inputs'
-# offsets only.
-_READ_OFFSETS = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
-                           torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default})
-
-
-def reads_offsets(*graphs: torch.fx.GraphModule) -> bool:
-    """Whether any of these graphs depends on where its inputs start in their storages."""
-    return any(node.target in _READ_OFFSETS for gm in graphs for node in gm.graph.nodes)
-
-
 def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
     """Groups of input slots that share a storage some region node writes. The compiler traces
     inputs as independent tensors, so a write through one would not be seen through the others;

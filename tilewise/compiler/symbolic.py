@@ -27,6 +27,7 @@ generic regions: its tile loops have their bounds compiled in.
 from __future__ import annotations
 
 import collections
+import re
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,7 +45,7 @@ from ..reasons import Reason, Why
 from . import decompose
 from .driver import PASSES, smoke_run, source_graph
 from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
-from .region import Region, format_graph
+from .region import Region, format_graph, reads_offsets
 
 
 @dataclass(frozen=True)
@@ -203,17 +204,41 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     fakes = [_symbolic(value, dims, i, fake_mode, shape_env)
              for i, (value, dims) in enumerate(zip(example_inputs, dynamic.dims))]
     traced = decompose.trace(gm, fakes, "symbolic", name)
-    guards = shape_env.produce_guards_expression(fakes, ignore_static=False)
+    source = source_graph(gm)
+    clauses = shape_env.produce_guards(fakes, [LocalSource(f"t{i}") for i in range(len(fakes))], ignore_static=False)
+    if not reads_offsets(traced, source):
+        clauses = [clause for clause in clauses if not _moves_nothing(clause, example_inputs, dynamic)]
+    guards = " and ".join(clauses) or None
     symbols = [(i, dim, size.node.expr) for i, fake in enumerate(fakes)
                for dim, size in (enumerate(fake.shape) if isinstance(fake, torch.Tensor) else [(None, fake)])
                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol)]
-    generic = GenericRegion(name, traced, source_graph(gm), guards, symbols, dynamic, spec, 0.0, limit)
+    generic = GenericRegion(name, traced, source, guards, symbols, dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
     smoke_run(generic.gm, generic.source, example_inputs, "generic")
     generic.specialise(example_inputs)
     generic.compile_seconds = time.perf_counter() - started
     return generic
+
+
+# ShapeEnv's guards pin every static stride and offset of an input (all of them where its sizes are
+# static): these two say where an input starts, and the stride of a dimension of size 1.
+_OFFSET_GUARD = re.compile(r"L\['t(\d+)'\]\.storage_offset\(\) == -?\d+")
+_STRIDE_GUARD = re.compile(r"L\['t(\d+)'\]\.stride\(\)\[(\d+)\] == -?\d+")
+
+
+def _moves_nothing(clause: str, example_inputs, dynamic: Dynamic) -> bool:
+    """Whether a guard clause pins what no value of a region depends on, once its graphs read no
+    offset: where an input starts in its storage, and the stride of a static dimension of size 1
+    (which addresses no other element). A generation loop's `input_ids[:, -1:]` is a (1, 1) view
+    that starts one element further, in a row one element longer, at every step."""
+    if _OFFSET_GUARD.fullmatch(clause):
+        return True
+    stride = _STRIDE_GUARD.fullmatch(clause)
+    if stride is None:
+        return False
+    index, dim = int(stride.group(1)), int(stride.group(2))
+    return example_inputs[index].shape[dim] == 1 and dim not in dynamic.dims[index]
 
 
 def concrete(gm: torch.fx.GraphModule, values: dict) -> torch.fx.GraphModule:
@@ -263,5 +288,7 @@ def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode
 
 
 def _size_key(inputs) -> tuple:
-    return tuple((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) if isinstance(v, torch.Tensor) else v
-                 for v in inputs)
+    """What a size's tile programs depend on where the guards hold: the inputs' shapes and ints.
+    The guards pin the strides the sizes do not give, and the offsets and size-1 strides they no
+    longer pin are read by nothing (`_moves_nothing`)."""
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in inputs)
