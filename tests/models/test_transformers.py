@@ -187,3 +187,6 @@ def test_a_long_greedy_generation_compiles_its_decode_step_once_for_every_length
     stats = tilewise.stats()
     # 20 lengths: compiles are per region site (the step, the prefill, small ones), not per length
     assert stats.compiled_fraction > 0.8 and stats.compiles <= 12, stats.report()
+    # and each new length's tile programs are evaluated from the site's parametric program (a
+    # symbolic layout asked of a launch's concrete resident values raised TypeError, SymInt's hash)
+    assert stats.evaluated_sizes >= 10 and not stats.not_parametric, stats.report()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .sizes import has_symbols
+
 
 class Ops(enum.Enum):
     RANGE = "range"          # open a loop: arg = (var, extent, step)
@@ -122,7 +124,12 @@ class Launch:
 
     def holds(self, ref: HbmRef) -> bool:
         """Whether the value, in the layout `ref` gives it, is resident in SBUF during the launch."""
-        return (ref.node, ref.rows_cols) in self.resident
+        key = (ref.node, ref.rows_cols)
+        if type(self.resident) is frozenset and has_symbols(key):
+            # a symbolic layout asked of concrete ones (sizes.frozen): compared with ==, which
+            # records its guard, as a tuple of symbolic ones is; a SymInt has no hash
+            return any(key == item for item in self.resident)
+        return key in self.resident
 
     def on_chip(self, ref: HbmRef, transpose: bool = False) -> bool:
         """Whether an access to `ref` is served from SBUF: resident, and read in the layout it was
