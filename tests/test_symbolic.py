@@ -466,6 +466,21 @@ def test_the_grouped_mm_meta_kernel_describes_cpu_s_result(dtype):
         assert (meta.shape, meta.stride(), meta.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
 
 
+def test_the_grouped_mm_meta_kernel_describes_cpu_s_result_in_a_symbolic_trace():
+    """A symbolic trace runs the Python dispatcher, which took PyTorch's Python meta kernel over the
+    C++ one: a Mixtral decode step's shape-generic compile failed ("Expected inputs of BF16 type")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    for mat_a, mat_b, offsets in _grouped_mm_cases():
+        if offsets is None:
+            traced = make_fx(lambda a, b: torch._grouped_mm(a, b), tracing_mode="symbolic")(mat_a, mat_b)
+        else:
+            traced = make_fx(lambda a, b, o: torch._grouped_mm(a, b, offs=o),
+                             tracing_mode="symbolic")(mat_a, mat_b, offsets)
+        (node,) = [n for n in traced.graph.nodes if n.target is torch.ops.aten._grouped_mm.default]
+        meta, cpu = node.meta["val"], torch._grouped_mm(mat_a, mat_b, offs=offsets)
+        assert (tuple(meta.shape), meta.stride(), meta.dtype) == (cpu.shape, cpu.stride(), cpu.dtype)
+
+
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 

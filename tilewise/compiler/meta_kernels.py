@@ -18,8 +18,10 @@
 Tests hold these to the CPU kernels (and the upsampling ones to the C++ meta kernels). The
 upsampling ones are registered as PyTorch registers its own Python meta kernels (`py_impl(Meta)`):
 they answer only where the Python dispatcher is on, i.e. while make_fx traces; eager meta calls keep
-the C++ kernels. `_grouped_mm`'s replaces PyTorch's Python one where that one is registered, at the
-Meta key: every meta call in the process describes CPU's result, the only kernel a CPU build runs.
+the C++ kernels. `_grouped_mm`'s replaces PyTorch's at both: the C++ dispatcher's Meta key (meta
+tensors, fake tensors of one size) and the Python dispatcher's Meta kernel (a symbolic trace, which
+took PyTorch's and failed a Mixtral decode step's shape-generic compile), so every meta call in the
+process describes CPU's result, the only kernel a CPU build runs.
 """
 from __future__ import annotations
 
@@ -71,11 +73,16 @@ def install() -> None:
             op.py_impl(torch._C.DispatchKey.Meta)(functools.partial(upsample_gradient, keeps_format=op in _IN_GRADIENT_FORMAT))
     global _library
     if _library is None:
-        # in place of PyTorch's Python meta kernel, registered as that one is (at the Meta key)
+        # in place of PyTorch's meta kernel, registered as that one is: at the Meta key of the C++
+        # dispatcher and as the op's Python kernel there (py_impl refuses to replace one: PyTorch's
+        # entry leaves first)
         _library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
             _library.impl("_grouped_mm", grouped_mm, "Meta")
+        op = torch.ops.aten._grouped_mm.default
+        op.py_kernels.pop(torch._C.DispatchKey.Meta, None)
+        op.py_impl(torch._C.DispatchKey.Meta)(grouped_mm)
 
 
 _library: torch.library.Library | None = None
