@@ -61,7 +61,7 @@ class OpInfo(NamedTuple):
     # tensors uploaded (executor.INDEXING); None for most ops
     rewrite: Callable | None
     decomposed: bool          # recorded as its aten ops (eager/plan.py, OpPlan.implicit)
-    special: bool             # rewritten, decomposed, a view twin or cuda_inputs.BELOW_AUTOGRAD: dispatch's slow path
+    special: bool             # rewritten, decomposed, a view twin or cuda_inputs.OPS: dispatch's slow path
 
 
 class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
@@ -141,7 +141,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                 return self._decomposed(func, args, kwargs, settings)
             if func in VIEW_TWINS and (func is not aten.as_strided_.default or _moves_no_element(*args, **kwargs)):
                 return self._as_its_view(func, args, kwargs, settings)
-            if func in cuda_inputs.BELOW_AUTOGRAD:  # inputs CPU's kernel refuses, as CUDA's computes them
+            if func in cuda_inputs.OPS:  # inputs CPU's kernel refuses, as CUDA's computes them
                 computed = cuda_inputs.instead(func, args, kwargs)
                 if computed is not None:
                     return self._as_aten_ops(computed, settings)
@@ -214,7 +214,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             rewrite, decomposed = _rewrite_of(func), plan_of(func).implicit
             info = self._op_info[id(func)] = OpInfo(func, runs_now(func), is_random(func), rewrite, decomposed,
                                                     rewrite is not None or decomposed or func in VIEW_TWINS
-                                                    or func in cuda_inputs.BELOW_AUTOGRAD)
+                                                    or func in cuda_inputs.OPS)
         return info
 
     def _as_its_view(self, func, args, kwargs, settings: Settings):

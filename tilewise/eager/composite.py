@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import cpu_rnn, cuda_inputs, sync_batch_norm
+from . import cpu_rnn, sync_batch_norm
 
 aten = torch.ops.aten
 
@@ -165,8 +165,7 @@ _library: torch.library.Library | None = None
 
 
 def install() -> None:
-    """Register the `_ABOVE_AUTOGRAD` composites, and cuda_inputs' kernels, at AutogradPrivateUse1;
-    idempotent."""
+    """Register the `_ABOVE_AUTOGRAD` composites at AutogradPrivateUse1; idempotent."""
     global _library
     if _library is not None:
         return
@@ -174,5 +173,3 @@ def install() -> None:
     for name in _ABOVE_AUTOGRAD:
         packet, _, overload = name.partition(".")
         _library.impl(name, COMPOSITES[getattr(getattr(aten, packet), overload or "default")], "AutogradPrivateUse1")
-    for name, kernel in cuda_inputs.ABOVE_AUTOGRAD.items():
-        _library.impl(name, kernel, "AutogradPrivateUse1")

@@ -9,10 +9,8 @@ int input", transformers/integrations/moe.py); CPU's histc has no integer kernel
 step failed on `neuron`, in every mode. Here such an op computes on those inputs what CUDA's kernel
 computes, in aten ops (recorded and compiled like any others), and is CPU's kernel otherwise.
 
-Two ways in, as for eager/composite.py's fused cells: registered at AutogradPrivateUse1 (a histogram
-has no gradient; `ABOVE_AUTOGRAD`), the op is replaced above autograd by its aten ops, which every
-mode records; under inference_mode, which skips that key, the op reaches the device whole, and the
-executor and the lazy runtime ask `instead` whether it runs as its aten ops.
+A histogram has no gradient, so the op always reaches the device whole (under autograd too): the
+executor and the lazy runtime ask `instead` whether it runs as its aten ops (`OPS`).
 """
 from __future__ import annotations
 
@@ -21,13 +19,6 @@ import functools
 import torch
 
 aten = torch.ops.aten
-
-
-def histc(input, bins=100, min=0, max=0):
-    with torch._C._AutoDispatchBelowAutograd():
-        if _cpu_takes(input):
-            return aten.histc.default(input, bins, min, max)
-        return _histc_of_integers(input, bins, min, max)
 
 
 def _histc_of_integers(input, bins, min, max):
@@ -52,23 +43,19 @@ def _histc_of_integers(input, bins, min, max):
     return counts.to(input.dtype)
 
 
-# Registered at AutogradPrivateUse1 by composite.install, with the composites that replace ops there.
-ABOVE_AUTOGRAD = {"histc": histc}
-
-
-def _histc_below_autograd(input, bins=100, min=0, max=0):
+def _histc(input, bins=100, min=0, max=0):
     return None if _cpu_takes(input) else functools.partial(_histc_of_integers, input, bins, min, max)
 
 
-# The same ops as they reach the device below autograd (under inference_mode): per op, what its call
-# computes instead of CPU's kernel, or None where CPU's kernel takes the call's inputs.
-BELOW_AUTOGRAD = {aten.histc.default: _histc_below_autograd}
+# Per op as it reaches the device: what its call computes instead of CPU's kernel, or None where
+# CPU's kernel takes the call's inputs.
+OPS = {aten.histc.default: _histc}
 
 
 def instead(func, args, kwargs):
-    """What runs in place of this call of a BELOW_AUTOGRAD op, on its device tensors (a callable),
+    """What runs in place of this call of an op of OPS, on its device tensors (a callable),
     or None: CPU's kernel takes it."""
-    return BELOW_AUTOGRAD[func](*args, **kwargs)
+    return OPS[func](*args, **kwargs)
 
 
 def _cpu_takes(input) -> bool:

@@ -142,7 +142,7 @@ def _run(func, args, kwargs):
     func = MATERIALIZED.get(func, func)
     if func in INDEXING:
         func, args = indices_on_device(func, args)
-    if func in cuda_inputs.BELOW_AUTOGRAD:  # inputs CPU's kernel refuses, as CUDA's computes them
+    if func in cuda_inputs.OPS:  # inputs CPU's kernel refuses, as CUDA's computes them
         computed = cuda_inputs.instead(func, args, kwargs)
         if computed is not None:
             return computed()

@@ -47,7 +47,7 @@ class OpPlan(NamedTuple):
     func: object                   # the OpOverload itself
     call: Callable                 # calls the op on host tensors (an OpOverload's C++ entry: no Python frame)
     # what the executor's fast path may run: a plain op (no composite, nothing returned it wrote,
-    # no transfer between devices, CPU's kernel whatever the inputs: not cuda_inputs.BELOW_AUTOGRAD)
+    # no transfer between devices, CPU's kernel whatever the inputs: not cuda_inputs.OPS)
     # whose only arguments are device tensors and Python scalars
     simple: bool
 
@@ -152,7 +152,7 @@ def _make_plan(func) -> OpPlan:
         func=func,
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
-        simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.BELOW_AUTOGRAD,
+        simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS,
     )
 
 
