@@ -1,7 +1,9 @@
-"""The runtime's part in compiling regions: the compiler called on a thread of its own, or handed
-the region to compile in the compile process (background compiles) and the result taken in at a
-later flush; a compiled region cached under its key and told to the statistics and the events. A
-region the compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
+"""The runtime's part in compiling regions: which compile serves a region of a flush (`_entry`: its
+key's, the one made at other input offsets, its site's generic one at other sizes) and, on a miss,
+what the policy decides; the compiler called on a thread of its own, or handed the region to
+compile in the compile process (background compiles) and the result taken in at a later flush; a
+compiled region cached under its key and told to the statistics and the events. A region the
+compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
 `Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `regions`
 cache, statistics and events, and GenericSites' `_count_compile`.
 """
@@ -17,11 +19,12 @@ from typing import NamedTuple
 import torch
 
 from ..compiler.region import reads_offsets
+from ..config import config
 from ..device.runtime import DEVICE
 from ..host_threads import run_kernels_serially
-from . import events
-from .policy import Reason, Why, compiles_in_background, native_after_runs
-from .regions import CompiledEntry, Region, build_graph, without_offsets
+from . import events, shapes
+from .policy import Mode, Reason, Verdict, Why, compiles_in_background, native_after_runs, on_region_miss
+from .regions import CompiledEntry, Region, build_graph, mixes_dtypes_on_shared_storage, without_offsets
 from .segment import Segment
 
 
@@ -78,6 +81,58 @@ def compile_failure(error: Exception) -> Reason:
 
 class RegionCompiler:
     """Methods of `Runtime` (adaptive/runtime.py) that compile regions."""
+
+    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
+        """The compiled region for this region, compiled now if the policy says so; None: run
+        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
+        `before`: node index -> the signature it had at its previous size."""
+        entry = self.regions.get(region.key)
+        if entry is FAILED:
+            return None
+        if type(entry) is Compiling:
+            return self._when_compiled(segment, region, entry)
+        if entry is not None:
+            self.regions.touch(region.key)
+            return entry
+        loose = without_offsets(region.key)
+        elsewhere = self.offset_free.get(loose)
+        if elsewhere is FAILED:
+            return None
+        if type(elsewhere) is Compiling:
+            return self._when_compiled(segment, region, elsewhere)
+        if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
+            self.offset_free.touch(loose)
+            return elsewhere
+        if mixes_dtypes_on_shared_storage(segment, region):
+            return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
+        site = self._site(segment, region, before)
+        offsets_only = False
+        if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
+            changes = shapes.changes(site.first, region.key)
+            # a generic region serves its site's every signature; else generalise only for sizes
+            # that change (strides or offsets alone stay static)
+            if site.generic is not None or changes.ints or any(changes.dims):
+                return self._other_sizes(segment, region, site, changes, settling)
+            # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
+            # say, unless a compile of it read the offsets
+            offsets_only = elsewhere is None and without_offsets(site.first) == loose
+        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
+        signatures = self.sites.get(site_ops, 0) + 1
+        mode = segment.settings.mode
+        sightings = self.sightings.count(loose if offsets_only else region.key)
+        decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
+                                  sizes_change and not offsets_only)
+        if decision.verdict is Verdict.WAIT:
+            self.stats.warmup_ops += len(region.nodes)
+            return None
+        self.stats.cache_misses += 1
+        if mode is Mode.COMPILED:
+            self.sites.put(site_ops, signatures)
+            self.stats.recompiles += signatures > 1
+        if decision.verdict is Verdict.EAGER:
+            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
+            return None
+        return self._compile(segment, region, site)
 
     def _give_up(self, region: Region, reason: Reason) -> None:
         self.regions.put(region.key, FAILED)

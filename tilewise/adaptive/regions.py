@@ -93,13 +93,9 @@ def without_offsets(key: tuple) -> tuple:
     """The region key with every tensor's storage offset left out: one key for regions that
     differ only in where their inputs start in their storages. A sampler's `betas[t]`, taken
     outside the region at each step's t, enters it at a new offset every step."""
-    def strip(entry):
-        if shapes.is_metadata(entry):
-            return (entry[0], entry[1], entry[3]) + tuple(entry[4:])
-        if type(entry) is tuple:
-            return tuple(strip(e) for e in entry)
-        return entry
-    return (tuple((func, strip(tail), sources) for func, tail, sources in key[0]),) + key[1:]
+    nodes = tuple((func, _map_metadata(tail, lambda entry: entry[:2] + entry[3:]), sources)
+                  for func, tail, sources in key[0])
+    return (nodes,) + key[1:]
 
 
 def _shared_written_storages(segment: Segment, members: list[int], tensors: list) -> tuple:
@@ -125,13 +121,16 @@ def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def _strip_sources(local_tail: tuple) -> tuple:
     """The node's local description without segment-relative producer distances."""
-    def strip(entry):
-        if type(entry) is tuple and len(entry) == 5 and isinstance(entry[3], torch.dtype):
-            return entry[:4]
-        if type(entry) is tuple:
-            return tuple(strip(e) for e in entry)
-        return entry
-    return strip(local_tail)
+    return _map_metadata(local_tail, lambda entry: entry[:4])
+
+
+def _map_metadata(description, change):
+    """A description with each tensor's metadata entry (shapes.is_metadata) changed by `change`."""
+    if shapes.is_metadata(description):
+        return change(description)
+    if type(description) is tuple:
+        return tuple(_map_metadata(entry, change) for entry in description)
+    return description
 
 
 def _exported(segment: Segment, value: tuple[int, int], outputs: set) -> bool:

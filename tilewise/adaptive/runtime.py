@@ -27,13 +27,13 @@ from ..eager import cuda_inputs
 from ..eager.executor import INDEXING, check_device, execute, indices_on_device, restride_wrapper, run, run_composite
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
-from . import analysis, events, interrupts, scalars, shapes
+from . import analysis, events, interrupts, scalars
 from .caches import BoundedCache, CacheSize
 from .analysis import NodeStep
-from .regions import Region, RegionStep, describe, mixes_dtypes_on_shared_storage, needed_values, without_offsets
-from .policy import (Mode, Reason, Settings, Verdict, Why, copies_to_host, draws_random, on_region_miss, runs_now,
-                     shape_reads_data, stable_after)
-from .compiling import FAILED, READS_OFFSETS, Compiling, RegionCompiler, on_compiler_thread
+from .regions import RegionStep, describe, needed_values
+from .policy import (Mode, Reason, Settings, Why, copies_to_host, draws_random, runs_now, shape_reads_data,
+                     stable_after)
+from .compiling import RegionCompiler, on_compiler_thread
 from .generic import GenericSites
 from .plans import CachedPlans
 from .steps import StepRunner, Unfinished, every_node
@@ -431,58 +431,6 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             self.stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
         else:
             self.stats.warmup_ops += 1
-
-    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
-        """The compiled region for this region, compiled now if the policy says so; None: run
-        its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
-        `before`: node index -> the signature it had at its previous size."""
-        entry = self.regions.get(region.key)
-        if entry is FAILED:
-            return None
-        if type(entry) is Compiling:
-            return self._when_compiled(segment, region, entry)
-        if entry is not None:
-            self.regions.touch(region.key)
-            return entry
-        loose = without_offsets(region.key)
-        elsewhere = self.offset_free.get(loose)
-        if elsewhere is FAILED:
-            return None
-        if type(elsewhere) is Compiling:
-            return self._when_compiled(segment, region, elsewhere)
-        if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
-            self.offset_free.touch(loose)
-            return elsewhere
-        if mixes_dtypes_on_shared_storage(segment, region):
-            return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
-        site = self._site(segment, region, before)
-        offsets_only = False
-        if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
-            changes = shapes.changes(site.first, region.key)
-            # a generic region serves its site's every signature; else generalise only for sizes
-            # that change (strides or offsets alone stay static)
-            if site.generic is not None or changes.ints or any(changes.dims):
-                return self._other_sizes(segment, region, site, changes, settling)
-            # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
-            # say, unless a compile of it read the offsets
-            offsets_only = elsewhere is None and without_offsets(site.first) == loose
-        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.sites.get(site_ops, 0) + 1
-        mode = segment.settings.mode
-        sightings = self.sightings.count(loose if offsets_only else region.key)
-        decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
-                                  sizes_change and not offsets_only)
-        if decision.verdict is Verdict.WAIT:
-            self.stats.warmup_ops += len(region.nodes)
-            return None
-        self.stats.cache_misses += 1
-        if mode is Mode.COMPILED:
-            self.sites.put(site_ops, signatures)
-            self.stats.recompiles += signatures > 1
-        if decision.verdict is Verdict.EAGER:
-            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
-            return None
-        return self._compile(segment, region, site)
 
 
 def _rewrite_of(func) -> Callable | None:
