@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -70,6 +71,37 @@ def test_tampered_payload_with_stale_mac_is_rejected(tmp_path):
             compiled = compile_graph(gm, [x])
     assert cache.stats.corrupt == corrupt + 1 and cache.stats.compiles == compiles + 1
     torch.testing.assert_close(compiled.run(x)[0], fn(x))
+    cache.clear_memory()
+
+
+@torch.library.custom_op("tilewise_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_region_naming_ops_an_entry_may_not_is_kept_in_memory_never_written_as_corrupt(tmp_path):
+    """What the decoder refuses is never written: such an entry was refused as corrupt by every
+    later process (a tensor-parallel step region, before the functional collectives' namespace was
+    admitted), with a warning each run."""
+    fn = lambda x: _twice(x) + 1  # noqa: E731
+    x = torch.randn(4, 5)
+    gm = make_fx(fn)(x)
+    with tilewise.config.patch(cache_dir=str(tmp_path / "cache"), cache_key_file=str(tmp_path / "cache.key")), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unstorable = cache.stats.unstorable
+        torch.testing.assert_close(compile_graph(gm, [x]).run(x)[0], fn(x))
+        assert cache.stats.unstorable == unstorable + 1
+        assert not list((tmp_path / "cache").glob("*.twc"))
+        cache.clear_memory()
+        corrupt = cache.stats.corrupt
+        torch.testing.assert_close(compile_graph(gm, [x]).run(x)[0], fn(x))
+        assert cache.stats.corrupt == corrupt
     cache.clear_memory()
 
 

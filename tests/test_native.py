@@ -372,6 +372,54 @@ def test_inputs_in_other_strides_than_compiled_are_relaid_out():
     assert torch.equal(compiled.run(transposed)[0], fn(transposed))
 
 
+def test_a_tensor_subclass_input_is_read_through_its_own_dispatch_not_its_data_pointer():
+    """A collective's pending result (tensor parallelism's row-parallel output) reaches a region as
+    an AsyncCollectiveTensor, a wrapper whose data pointer is 0: the C was called on it and the
+    process died with SIGSEGV."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    fn = lambda x: (x * 2 + 1).sum(1)  # noqa: E731
+    x = torch.randn(6, 8)
+    compiled = compiled_native(fn, [x])
+    assert native_calls(compiled) >= 1
+    pending = AsyncCollectiveTensor(x.clone())
+    assert pending.data_ptr() == 0
+    assert torch.equal(compiled.run(pending)[0], fn(x))
+    assert compiled.host_tier is Tier.NATIVE
+
+
+def test_an_input_of_another_shape_is_never_handed_to_the_c(monkeypatch):
+    """Strides alike, rows fewer: the C would read past the buffer. The region runs its recorded
+    graph instead, and its C is not used again."""
+    fn = lambda x: x * 3 - 1  # noqa: E731
+    compiled = compiled_native(fn, [torch.randn(6, 8)])
+    fewer = torch.randn(5, 8)
+    assert fewer.stride() == (8, 1)
+    with pytest.warns(RuntimeWarning, match="not built for its inputs"):
+        got = compiled.run(fewer)[0]
+    assert torch.equal(got, fn(fewer))
+    assert compiled.host_tier is Tier.FAILED
+    x = torch.randn(6, 8)
+    assert torch.equal(compiled.run(x)[0], fn(x))
+
+
+def test_a_library_built_for_other_layouts_is_never_called(monkeypatch):
+    """Whatever a cache serves: a library says what its kernels were compiled for, and the loader
+    compares that with the kernels it is to call."""
+    fn = lambda x: x * 5 - 2  # noqa: E731
+    built = {}
+    monkeypatch.setattr(native, "load", lambda source, where=None, real=native.load:
+                        built.setdefault("library", real(source, where)))
+    other = compiled_native(fn, [torch.randn(7, 8)])
+    compiled = compile_graph(make_fx(fn)(torch.randn(6, 8)), [torch.randn(6, 8)], spec=TRN2)
+    compiled.start_native()
+    with pytest.warns(RuntimeWarning, match="was built for"):
+        assert compiled.wait_native(BUILD_TIMEOUT) is Tier.FAILED
+    x = torch.randn(6, 8)
+    assert torch.equal(compiled.run(x)[0], fn(x))
+    assert other.host_tier is Tier.NATIVE
+
+
 def test_results_go_straight_into_the_buffers_given_where_laid_out_alike():
     fn = lambda x, y: (x * 2 + y, (x - y).sum(1))  # noqa: E731
     x, y = torch.randn(6, 8), torch.randn(6, 8)

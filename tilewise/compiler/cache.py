@@ -32,7 +32,7 @@ from .disk import (ENTRY_SUFFIX, LIBRARY_SUFFIX, Disk, Location, open_disk, read
 from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
 from .later import Later
 from .native import generate
-from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json
+from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json, unstorable_ops
 
 MEMORY_ENTRIES = 256  # compiled regions kept in memory per process (least recently used evicted)
 _memory: collections.OrderedDict = collections.OrderedDict()
@@ -130,7 +130,9 @@ def _opened_disk():
 def _remember(disk: Disk | None, key: str, compiled: CompiledRegion, payload) -> None:
     """Keep a new compile in memory and, with a cache directory, on disk (`payload()`: its entry)."""
     _keep_in_memory(key, compiled)
-    if disk:
+    if disk and unstorable_ops(compiled.gm):
+        stats.unstorable += 1
+    elif disk:
         _store(disk, key, payload)
 
 

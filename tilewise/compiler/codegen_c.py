@@ -475,6 +475,16 @@ def kernel_c(kernel: Kernel, symbol: str) -> CKernel:
     return CKernel(kernel.name, symbol, kernel.nodes, inputs, outputs, source)
 
 
+def layouts(kernel: CKernel) -> str:
+    """The tensors a kernel function was compiled to read and write, one per pointer argument in
+    order: dtype, shape, strides, view, materialised. The library holds it (`<symbol>_layouts`) and
+    the loader compares it with the kernel it is to call (native._KernelCall)."""
+    return ";".join(f"{a.ref.dtype}{list(a.ref.shape)}{list(a.ref.stride)}{list(a.ref.view)}{int(a.materialise)}"
+                    for a in kernel.inputs + kernel.outputs)
+
+
 def translation_unit(kernels: list[CKernel]) -> str:
     sources = [k.source + "\n" for k in kernels]
-    return "\n".join([PRELUDE, vml.declarations("".join(sources)), REMAINDER_HELPERS, c_cascade.helpers()] + sources)
+    signatures = [f'const char *const {k.symbol}_layouts = "{layouts(k)}";\n' for k in kernels]
+    return "\n".join([PRELUDE, vml.declarations("".join(sources)), REMAINDER_HELPERS, c_cascade.helpers()]
+                     + sources + signatures)

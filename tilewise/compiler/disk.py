@@ -43,6 +43,7 @@ class CacheStats:
         self.corrupt = 0     # entries that failed the HMAC or did not decode (truncated, forged, tampered)
         self.untrusted = 0   # files and directories refused by owner, mode, type or symlink (warned once)
         self.disk_errors = 0  # cache directory, key or entry that could not be used (warned once)
+        self.unstorable = 0  # regions kept in memory only: their graphs name ops an entry may not (serialize)
         self.native_disk_hits = self.native_disk_writes = 0  # native libraries read from / written to disk
         self.evictions = 0   # entries and libraries deleted to keep the disk cache within cache_limit_mb
 

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import CompileError
 from .c_layout import output_buffer_is_contiguous
-from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, translation_unit
+from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, layouts, translation_unit
 from . import vml
 from .tile_ir import Launch
 
@@ -237,6 +237,24 @@ class IndexOutOfRange(Exception):
     """A native kernel met an index outside its tensor; the PyTorch executable raises PyTorch's error."""
 
 
+class NotBuiltFor(Exception):
+    """A native kernel was handed a tensor it was not compiled for (another shape, or memory that is
+    not a dense CPU buffer of its elements); it is never called on it: the region's recorded graph
+    runs instead, and the native executable is not used again."""
+
+
+def checked_symbol(library, ckernel: CKernel):
+    """The kernel's function, once the library says it was built for the kernel's layouts: a
+    library is called only on the tensors its C indexes, whatever the cache held."""
+    try:
+        built_for = ctypes.c_char_p.in_dll(library, f"{ckernel.symbol}_layouts").value.decode()
+    except (AttributeError, ValueError) as error:
+        raise CompileError(f"native library has no layouts for {ckernel.symbol}") from error
+    if built_for != layouts(ckernel):
+        raise CompileError(f"native library's {ckernel.symbol} was built for {built_for}, not {layouts(ckernel)}")
+    return getattr(library, ckernel.symbol)
+
+
 class _KernelCall:
     """Calls one C kernel: the input tensors' addresses (relaid out to the compiled strides if they
     come otherwise), its outputs' addresses: fresh tensors in the region's strides, or for an output
@@ -275,21 +293,36 @@ class _KernelCall:
         for index, position, layout in self.returned:
             if position < len(buffers):
                 buffer = buffers[position]
-                if buffer is not None and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
+                if type(buffer) is torch.Tensor and buffer.device.type == "cpu" \
+                        and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
                     outputs[index] = buffer
         return [allocate() if out is None else out for out, allocate in zip(outputs, self.allocations)]
 
-    @staticmethod
-    def prepared(tensor: torch.Tensor, arg) -> torch.Tensor:
+    def prepared(self, tensor: torch.Tensor, arg) -> torch.Tensor:
         """The tensor the kernel reads (its view's offset is in the C): the input itself, or a copy
         in the layout the C was compiled for (a broadcast the tiles cannot index as a strided view,
-        or strides other than the region's)."""
+        strides other than the region's, or a tensor subclass, whose data pointer is not its
+        elements: a collective's pending result). Another shape is refused (NotBuiltFor)."""
         ref = arg.ref
+        if tuple(tensor.shape) != ref.shape:
+            raise NotBuiltFor(f"{self.name} was compiled for {ref.node} of shape {list(ref.shape)}; "
+                              f"got {list(tensor.shape)}")
         if arg.materialise:
-            return tensor.broadcast_to(ref.view or ref.shape).contiguous()
-        if tensor.stride() != ref.stride or tensor.dtype != ref.dtype:
+            return _dense(tensor.broadcast_to(ref.view or ref.shape).contiguous())
+        if type(tensor) not in _DENSE or tensor.stride() != ref.stride or tensor.dtype != ref.dtype \
+                or tensor.device.type != "cpu":
             tensor = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(tensor)
         return tensor
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain CPU tensor with the elements of `tensor` (a subclass's copy through its own dispatch)."""
+    if type(tensor) in _DENSE and tensor.device.type == "cpu":
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+_DENSE = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data pointer is their elements
 
 
 def _allocation(ref):
@@ -324,7 +357,7 @@ def executable(gm: torch.fx.GraphModule, program: NativeProgram, library,
         if ckernel.name in done:
             continue
         done.add(ckernel.name)
-        call = _KernelCall(ckernel, getattr(library, ckernel.symbol), destinations, returned)
+        call = _KernelCall(ckernel, checked_symbol(library, ckernel), destinations, returned)
         function = _named(call, f"native_{ckernel.name}")
         result = graph.call_function(function, tuple(env[name] for name in call.input_nodes))
         for index, name in enumerate(call.output_nodes):

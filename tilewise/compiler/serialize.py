@@ -25,7 +25,10 @@ from . import fused_optimizers, vml
 from .decompose import RECORDED_STRIDES
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
-NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE),
+# the op namespaces an entry may name: PyTorch's (functional collectives: tensor parallelism's
+# regions) and tilewise's own; `unstorable_ops` keeps a region naming others out of the disk cache
+NAMESPACES = {"aten": torch.ops.aten, "prims": torch.ops.prims, "_c10d_functional": torch.ops._c10d_functional,
+              vml.NAMESPACE: getattr(torch.ops, vml.NAMESPACE),
               fused_optimizers.NAMESPACE: getattr(torch.ops, fused_optimizers.NAMESPACE)}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _NODE_FIELDS = {"name", "op", "target", "args", "kwargs"}
@@ -63,6 +66,13 @@ def encode(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise CompileError(f"cannot store {type(value).__name__} {value!r} in the compile cache")
+
+
+def unstorable_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops of `gm` that an entry may not name (a decoder would refuse them): such a region is
+    kept in memory only, never written for a later process to refuse as corrupt."""
+    return sorted({str(node.target) for node in gm.graph.nodes
+                   if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in NAMESPACES})
 
 
 def decode(value, nodes=None):
@@ -130,7 +140,7 @@ def _resolve_op(qualified) -> torch._ops.OpOverload:
     through the registry, and what it returns must be that very overload."""
     parts = qualified.split(".") if isinstance(qualified, str) else []
     if len(parts) != 3 or parts[0] not in NAMESPACES:
-        raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (aten, prims and tilewise_vml only)")
+        raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (namespaces {sorted(NAMESPACES)})")
     namespace, packet, overload = parts
     if not all(_IDENTIFIER.match(p) and not p.startswith("__") for p in (packet, overload)):
         raise CompileError(f"op {qualified!r} is not allowed in a compile cache entry (not an op name)")

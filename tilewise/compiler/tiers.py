@@ -23,7 +23,7 @@ from ..errors import CompileError
 from ..host_threads import run_kernels_serially
 from . import native
 from .later import Later
-from .native import IndexOutOfRange, NativeProgram, warn_once
+from .native import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
 
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
 # Once the C is built, each of the two executables runs this many times, alternating, and the one
@@ -121,6 +121,15 @@ class HostExecutable:
             return self.forward(*inputs)
         except IndexOutOfRange:  # the recorded graph raises PyTorch's error for it
             return self.source_forward(*inputs)
+        except NotBuiltFor as error:
+            return self.refuse(error, inputs)
+
+    def refuse(self, error: NotBuiltFor, inputs: tuple) -> tuple:
+        """The native executable met inputs its C was not built for: it is not called again."""
+        self.trial, self.forward = None, self.source_forward
+        self._fail(f"tilewise: a region's native code was not built for its inputs ({error}); the region keeps "
+                   f"its PyTorch executable")
+        return self.source_forward(*inputs)
 
     @property
     def in_use(self) -> tuple[Tier, object]:
@@ -205,6 +214,8 @@ class _Trial:
             results = forward(*inputs)
         except IndexOutOfRange:
             results = host.source_forward(*inputs)
+        except NotBuiltFor as error:
+            return host.refuse(error, inputs)
         self.best[forward] = min(self.best[forward], time.perf_counter() - started)
         if self.decided():
             host.settle(self)
