@@ -9,15 +9,18 @@ left between them are then ordered by a topological sort of the contracted graph
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from .segment import FUNCTIONAL, VIEW, Node
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 _SOURCE, _SINK = "source", "sink"
 
 
 def dataflow_graph(nodes: list[Node]) -> nx.DiGraph:
+    import networkx as nx  # imported on first analysis: `import tilewise` stays light
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(nodes)))
     last_writer: dict[int, int] = {}
@@ -64,6 +67,7 @@ def _tensors(values):
 
 def find_regions(graph: nx.DiGraph, stable: set[int]) -> list[list[int]]:
     """Maximal convex, weakly connected sets of stable nodes, each sorted in stream order."""
+    import networkx as nx  # imported on first analysis: `import tilewise` stays light
     regions: list[list[int]] = []
     pending = [sorted(c) for c in nx.weakly_connected_components(graph.subgraph(stable))]
     while pending:
@@ -81,6 +85,7 @@ def find_regions(graph: nx.DiGraph, stable: set[int]) -> list[list[int]]:
 
 def _first_escape(graph: nx.DiGraph, component: list[int]) -> int | None:
     """The first node outside `component` that lies on a path between two of its nodes."""
+    import networkx as nx  # imported on first analysis: `import tilewise` stays light
     low, high = component[0], component[-1]
     members = set(component)
     window = graph.subgraph(range(low, high + 1)).copy()
@@ -108,6 +113,7 @@ class RegionGroup:
 def execution_order(graph: nx.DiGraph, regions: list[list[int]], count: int) -> list[NodeStep | RegionGroup]:
     """Every node outside a region and every region, each once, in a valid order: a node's
     producers come first; ties go to the group whose first node comes first in the stream."""
+    import networkx as nx  # imported on first analysis: `import tilewise` stays light
     group_of = {n: RegionGroup(r) for r, region in enumerate(regions) for n in region}
     first = {}
     contracted = nx.DiGraph()

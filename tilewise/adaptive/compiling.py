@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..compiler.region import reads_offsets
 from ..config import config
 from ..device.runtime import DEVICE
+from ..graphs import reads_offsets
 from ..host_threads import run_kernels_serially
 from . import events, shapes
 from .policy import Mode, Reason, Verdict, Why, compiles_in_background, native_after_runs, on_region_miss

@@ -14,8 +14,8 @@ import torch
 import torch.fx
 
 from ..device.runtime import DEVICE
-from ..compiler.decompose import RECORDED_STRIDES
 from ..eager.executor import run_host
+from ..graphs import RECORDED_STRIDES
 from ..errors import TilewiseError
 from . import scalars, shapes
 from .analysis import storages

@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 
 from ..device.tensor import names_neuron
 from ..errors import CompileError
+from ..graphs import RECORDED_STRIDES
 from . import meta_kernels, vml
 from .fused_optimizers import functional_fused_optimizers
 from .region import Region
@@ -293,8 +294,6 @@ def _sizes_from_data(traced: torch.fx.GraphModule) -> list[str]:
     return sorted(found)
 
 
-# node.meta key: the strides CPU's kernel gave a recorded op's output (adaptive/regions.build_graph)
-RECORDED_STRIDES = "tilewise_recorded_strides"
 
 
 def recorded_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -90,15 +90,3 @@ def format_graph(graph: torch.fx.Graph, note_of=None) -> list[str]:
         note = note_of(node) if note_of else ""
         lines.append(f"  {text:<72} # {note}" if note else f"  {text}")
     return lines
-
-
-# Ops whose arguments name absolute storage offsets: a graph holding one (the views of a shared
-# storage rebuilt by `build_graph`, decompositions such as unfold's) computes for its inputs'
-# offsets only.
-_READ_OFFSETS = frozenset({torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
-                           torch.ops.aten.as_strided_scatter.default, torch.ops.aten.as_strided_copy.default})
-
-
-def reads_offsets(*graphs: torch.fx.GraphModule) -> bool:
-    """Whether any of these graphs depends on where its inputs start in their storages."""
-    return any(node.target in _READ_OFFSETS for gm in graphs for node in gm.graph.nodes)

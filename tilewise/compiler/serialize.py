@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CompileError
 from . import fused_optimizers, vml
-from .decompose import RECORDED_STRIDES
+from ..graphs import RECORDED_STRIDES
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 # the op namespaces an entry may name: PyTorch's (functional collectives: tensor parallelism's

@@ -45,7 +45,8 @@ from ..reasons import Reason, Why
 from . import decompose
 from .driver import PASSES, smoke_run, source_graph
 from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
-from .region import Region, format_graph, reads_offsets
+from ..graphs import reads_offsets
+from .region import Region, format_graph
 
 
 @dataclass(frozen=True)
