@@ -27,8 +27,7 @@ from .. import collector
 from ..config import config
 from ..errors import CompileError
 from .cost import LaunchCost
-from .disk import (ENTRY_SUFFIX, LIBRARY_SUFFIX, Disk, Location, open_disk, read_signed, stats, warn_once,
-                   write_signed)
+from .disk import ENTRY_SUFFIX, Disk, open_disk, read_signed, stats, warn_once, write_signed
 from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
 from .later import Later
 from .native import generate
@@ -238,43 +237,3 @@ def cost_from_json(value) -> LaunchCost:
     if not all(type(v) in (int, float) for v in (seconds, hbm_bytes, flops)):
         raise CompileError(f"malformed cost {value!r} in a compile cache entry")
     return LaunchCost(_text(name), _text(engine), seconds, hbm_bytes, flops)
-
-
-# -- the disk: native libraries --------------------------------------------------------------------
-# A region's compiled C (native.py) is kept beside the entries as `<key>.so.twn`: the HMAC of the
-# library's bytes on the first line, then the bytes. The same checks as an entry's guard it; bytes
-# whose HMAC does not verify are never loaded (the C is compiled again).
-
-def _native_name(key: str) -> str:
-    return key + LIBRARY_SUFFIX
-
-
-def load_native(key: str, where: Location) -> bytes | None:
-    """The authenticated bytes of the native library `key` from the disk cache, or None."""
-    disk = open_disk(where)
-    if disk is None:
-        return None
-    try:
-        library = read_signed(disk, _native_name(key), "native library", "compiling it again")
-    finally:
-        os.close(disk.fd)
-    if library is None:
-        return None
-    stats.native_disk_hits += 1
-    return library
-
-
-def store_native(key: str, library: bytes, where: Location) -> None:
-    """Keep the library's bytes with their HMAC, written atomically; a failure costs the cache only."""
-    disk = open_disk(where)
-    if disk is None:
-        return
-    try:
-        write_signed(disk, _native_name(key), library)
-    except OSError as error:
-        stats.disk_errors += 1
-        warn_once(f"tilewise: could not write native library {_native_name(key)} to {disk.directory}: {error}")
-        return
-    finally:
-        os.close(disk.fd)
-    stats.native_disk_writes += 1

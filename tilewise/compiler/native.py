@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from ..errors import CompileError
 from .c_layout import output_buffer_is_contiguous
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, layouts, translation_unit
-from . import vml
+from . import disk, vml
 from .tile_ir import Launch
 
 # -O2 with -O3's loop vectoriser: the fused chain's kernel runs within 7% of -O3 and builds in a third
@@ -192,17 +192,16 @@ _library_lock = threading.Lock()
 def load(source: str, where=None) -> ctypes.PyDLL:
     """The loaded library for `source`: from memory, the disk cache at `where` (a disk.Location;
     None: where the settings say now), or built now."""
-    from . import cache, disk
     where = where or disk.location()
     key = library_key(source)
     with _library_lock:
         if key in _libraries:
             return _libraries[key]
-    data = cache.load_native(key, where) if where.directory else None
+    data = _load_stored(key, where) if where.directory else None
     if data is None:
         data = build(source)
         if where.directory:
-            cache.store_native(key, data, where)
+            _store(key, data, where)
     library = _open_bytes(data, key)
     with _library_lock:
         return _libraries.setdefault(key, library)
@@ -225,6 +224,46 @@ def _open_bytes(data: bytes, key: str) -> ctypes.PyDLL:
             return ctypes.PyDLL(path)
         finally:
             os.unlink(path)
+
+
+# -- the disk cache's copies ----------------------------------------------------------------------
+# A region's compiled C is kept beside the cache's entries as `<key>.so.twn`: the HMAC of the
+# library's bytes on the first line, then the bytes. The same checks as an entry's guard it; bytes
+# whose HMAC does not verify are never loaded (the C is compiled again).
+
+def _stored_name(key: str) -> str:
+    return key + disk.LIBRARY_SUFFIX
+
+
+def _load_stored(key: str, where: disk.Location) -> bytes | None:
+    """The authenticated bytes of the native library `key` from the disk cache, or None."""
+    directory = disk.open_disk(where)
+    if directory is None:
+        return None
+    try:
+        library = disk.read_signed(directory, _stored_name(key), "native library", "compiling it again")
+    finally:
+        os.close(directory.fd)
+    if library is None:
+        return None
+    disk.stats.native_disk_hits += 1
+    return library
+
+
+def _store(key: str, library: bytes, where: disk.Location) -> None:
+    """Keep the library's bytes with their HMAC, written atomically; a failure costs the cache only."""
+    directory = disk.open_disk(where)
+    if directory is None:
+        return
+    try:
+        disk.write_signed(directory, _stored_name(key), library)
+    except OSError as error:
+        disk.stats.disk_errors += 1
+        disk.warn_once(f"tilewise: could not write native library {_stored_name(key)} to {directory.directory}: {error}")
+        return
+    finally:
+        os.close(directory.fd)
+    disk.stats.native_disk_writes += 1
 
 
 EXITING = threading.Event()  # the interpreter is exiting: builds still queued are abandoned quietly

@@ -12,7 +12,7 @@ from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
 from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
 
 allow_loading(_rebuild, NeuronTensor)
-serialization.register()
+serialization.register(wrap)
 use_foreach_optimizers(NeuronTensor)
 convert_modules_in_place(NeuronTensor)
 share_between_processes(NeuronTensor, reduce_for_process)

@@ -68,26 +68,26 @@ def core_bound_for(data: torch.Tensor) -> int | None:
     return binding.core if binding is not None and binding() is storage else None
 
 
-def _rebuild_on_device(host_rebuild):
+def _rebuild_on_device(host_rebuild, wrap):
     @functools.wraps(host_rebuild)
     def rebuild_tensor(storage, storage_offset, size, stride):
         tensor = host_rebuild(storage, storage_offset, size, stride)
         core = core_bound_for(tensor) if tensor.device.type == "cpu" else None
         if core is None:
             return tensor
-        from .tensor import wrap  # tensor.py imports this module
         return wrap(tensor, core)
 
     rebuild_tensor.host_rebuild = host_rebuild
     return rebuild_tensor
 
 
-def register() -> None:
-    """Idempotent: torch.serialization keeps its hooks in a sorted list that refuses equal keys."""
+def register(wrap) -> None:
+    """Idempotent: torch.serialization keeps its hooks in a sorted list that refuses equal keys.
+    `wrap(host_tensor, core)` makes the device tensor of a storage bound for a core."""
     if not any(entry[0] == PRIORITY and entry[1] is _tag for entry in torch.serialization._package_registry):
         torch.serialization.register_package(PRIORITY, _tag, _restore)
     if not hasattr(torch._utils._rebuild_tensor, "host_rebuild"):
         # _rebuild_tensor_v2/_v3 call it through the module; weights_only=True looks it up by name
         # in a table it builds once (reset, in case a load ran before tilewise was imported)
-        torch._utils._rebuild_tensor = _rebuild_on_device(torch._utils._rebuild_tensor)
+        torch._utils._rebuild_tensor = _rebuild_on_device(torch._utils._rebuild_tensor, wrap)
         torch._weights_only_unpickler._get_allowed_globals.cache_clear()

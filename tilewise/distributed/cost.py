@@ -19,7 +19,9 @@ import enum
 import threading
 from dataclasses import dataclass
 
+from ..device.runtime import DEVICE
 from ..device.spec import DeviceSpec
+from ..device.tensor import NeuronTensor
 
 
 class Collective(enum.Enum):
@@ -90,3 +92,15 @@ class CollectiveCounters:
 
 
 COUNTERS = CollectiveCounters()
+
+
+LANE = "Collectives"  # the timeline lane collectives are charged to
+
+
+def charge(kind: Collective, nbytes: int, world_size: int, tensors=()) -> None:
+    """Record the collective on the timeline of the core its tensors are on (a barrier, with none:
+    the current core)."""
+    core = next((t._core for t in tensors if isinstance(t, NeuronTensor)), None)
+    seconds = collective_seconds(DEVICE.spec, kind, nbytes, world_size)
+    DEVICE.core(core).timeline.record(f"{kind.value} {nbytes} B", LANE, seconds, 0, 0, region="collectives")
+    COUNTERS.add(kind, nbytes, seconds)

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..eager.executor import execute
-from .cost import Collective
-from .process_group import charge
+from .cost import Collective, charge
 
 _KINDS = {
     "all_reduce": Collective.ALL_REDUCE, "all_reduce_": Collective.ALL_REDUCE,

@@ -22,9 +22,8 @@ from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
 from . import fsdp
-from .cost import COUNTERS, Collective, collective_seconds
+from .cost import Collective, charge
 
-LANE = "Collectives"
 # gloo reduces with these directly (RedOpType values; a ReduceOp object carries one as `.op`); AVG
 # and PREMUL_SUM are a SUM whose result is scaled on the host buffer.
 _GLOO_OPS = frozenset((ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
@@ -75,15 +74,6 @@ def computed(tensors) -> None:
     """A collective reads its buffers on the host: pending lazy work is computed first."""
     if DEVICE.lazy_pending and _on_device(tensors):
         DEVICE.synchronize()
-
-
-def charge(kind: Collective, nbytes: int, world_size: int, tensors=()) -> None:
-    """Record the collective on the timeline of the core its tensors are on (a barrier, with none:
-    the current core)."""
-    core = next((t._core for t in tensors if isinstance(t, NeuronTensor)), None)
-    seconds = collective_seconds(DEVICE.spec, kind, nbytes, world_size)
-    DEVICE.core(core).timeline.record(f"{kind.value} {nbytes} B", LANE, seconds, 0, 0, region="collectives")
-    COUNTERS.add(kind, nbytes, seconds)
 
 
 def _scale_after_sum(op, tensors, world_size: int) -> float | None:
