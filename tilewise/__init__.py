@@ -1,5 +1,6 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
-from . import adaptive, device, distributed, eager
+from . import adaptive, eager
+from . import device, distributed  # noqa: F401  (importing them registers the device and its process-group backend)
 from .adaptive import engine, explain, reset_caches, stats, sync, wait_for_compiles
 from .config import config
 from .device import DEVICE, DeviceSpec
