@@ -368,3 +368,25 @@ def test_tied_weights_stay_one_parameter_through_module_conversions(mode):
         out.sum().backward()
         model.cpu()  # after backward: its gradient accumulator is its only other reference
     assert model.head.weight is model.embed.weight and model.head.weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dynamically_quantized_model_runs_its_packed_linears_eagerly_in_every_mode(mode):
+    """quantize_dynamic's linears take their packed weights as a TorchScript object, which has no
+    `==`: the second call of the lazy modes compared it in the op's signature and raised
+    NotImplementedError. Such an op runs eagerly, with its reason; the ops around it compile."""
+    import warnings
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization's notice
+        quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(3, 8)
+    want = quantized(x)
+    on_device = quantized.to("neuron")
+    got = run_steps(mode, lambda: on_device(x.to("neuron")).cpu())
+    assert torch.equal(got, want)
+    assert_compiled_if_lazy(mode)
+    if mode != "eager":
+        eager = set(tilewise.stats().fallbacks)
+        assert any(op.startswith("linear_dynamic") and "TorchScript object" in reason for op, reason in eager), eager

@@ -221,6 +221,10 @@ class Segment:
             return arg
         if type(arg) is float:
             node.floats = True
+        elif isinstance(arg, torch.ScriptObject):
+            # packed parameters (dynamic quantization's linear): compared by a signature they
+            # raise ("'__eq__' is not implemented"), and no fake tensor traces them
+            raise Unrecordable(Reason(Why.UNRECORDABLE, f"takes a TorchScript object ({arg._type().qualified_name()})"))
         # 0 == 0.0 == False, but the scalar's type decides the result's dtype (x * 0 vs x * 0.0)
         descr.append((type(arg), arg) if type(arg) is float or type(arg) is bool else arg)
         return arg
