@@ -1,5 +1,9 @@
 """torch.compile(backend="tilewise") on neuron tensors against the same model on CPU."""
 import copy
+import subprocess
+import sys
+
+import pytest
 
 import torch
 
@@ -28,3 +32,28 @@ def test_mlp_on_neuron_matches_cpu_losses_and_grads():
     assert backend_stats.graphs_compiled - graphs == 2  # forward and backward, compiled once
     assert backend_stats.calls - calls == 4
     assert tilewise.DEVICE.timeline.kernels > kernels_before
+
+
+@pytest.mark.parametrize("backend", ["tilewise", "eager"])
+def test_a_compiled_model_called_in_an_engine_block_then_outside_it_runs_both_times(backend):
+    """Dynamo compiled the engine's own frames (its dispatch and wrappers) while the compiled model
+    ran what it could not compile, and the call after the engine block raised
+    InternalTorchDynamoError ('NeuronTensor' object has no attribute '_data')."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    want = linear(x)
+    compiled = torch.compile(copy.deepcopy(linear).to("neuron"), backend=backend)
+    with tilewise.engine():
+        inside = compiled(x.to("neuron")).cpu()
+    outside = compiled(x.to("neuron")).cpu()
+    torch.testing.assert_close(inside, want)
+    torch.testing.assert_close(outside, want)
+
+
+def test_dynamo_skips_the_engine_s_files_whenever_it_is_imported():
+    probe = ("import sys, tilewise; assert 'torch._dynamo' not in sys.modules; "
+             "from torch._dynamo import trace_rules; "
+             "print(trace_rules.check_file(tilewise.engine.__init__.__code__.co_filename).skipped)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr

@@ -11,7 +11,6 @@ import itertools
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.registry import register_backend
 
 from ..device.runtime import DEVICE
 from .entry import compile_graph
@@ -54,8 +53,3 @@ def _compiler(kind: str):
 
 tilewise_backend = aot_autograd(fw_compiler=_compiler("fw"), bw_compiler=_compiler("bw"))
 
-
-def register() -> None:
-    from torch._dynamo.backends.registry import _BACKENDS
-    if "tilewise" not in _BACKENDS:
-        register_backend(name="tilewise")(tilewise_backend)
