@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.testing._internal.common_utils import DeterministicGuard
 
 import torch
 
@@ -57,3 +58,74 @@ def test_dynamo_skips_the_engine_s_files_whenever_it_is_imported():
              "print(trace_rules.check_file(tilewise.engine.__init__.__code__.co_filename).skipped)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_compiles_to_the_kernel_cpu_runs_and_equals_it_bitwise(is_causal):
+    """The kernel choice while the backend traces: fake host tensors made CPU's stub answer MATH
+    (a graph that differed from CPU's flash kernel), and the causal composite's mask, made on the
+    device under the trace, met the device's dispatch as 'neuron:0 and neuron:0'."""
+    import torch.nn.functional as F
+    fn = lambda q: F.scaled_dot_product_attention(q, q * 2, q - 1, is_causal=is_causal)  # noqa: E731
+    q = torch.randn(1, 2, 8, 16)
+    graphs = backend_stats.graphs_compiled
+    got = torch.compile(fn, backend="tilewise")(q.to("neuron")).cpu()
+    assert torch.equal(got, fn(q))
+    assert backend_stats.graphs_compiled > graphs
+
+
+def _hugging_face_model(family: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=128)
+        model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def _train(model, ids, device, wrap=lambda m: m, steps: int = 3) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    forward = wrap(model)
+    losses = []
+    for _ in range(steps):
+        loss = forward(input_ids=ids.to(device), labels=ids.to(device)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("where", ["outside", "eager", "adaptive", "compiled"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hugging_face_models_train_compiled_with_the_backend(family, where):
+    """Both failed to compile before (SDPA's choice, the position ids made on the device under the
+    trace). Outside an engine block the backend compiles the model's graphs; AOTAutograd's backward
+    of the whole model differs from CPU eager's in the last bits (backend="aot_eager" on neuron
+    tensors alike), so the losses after the first step are held within float32 rounding. Inside
+    a block the engine runs the model, bitwise CPU's."""
+    model = _hugging_face_model(family)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    with DeterministicGuard(True):
+        want = _train(reference, ids, "cpu")
+        on_device = model.to("neuron")
+        compile_it = lambda m: torch.compile(m, backend="tilewise")  # noqa: E731
+        graphs = backend_stats.graphs_compiled
+        if where == "outside":
+            got = _train(on_device, ids, "neuron", compile_it)
+        else:
+            with tilewise.engine(mode=where):
+                got = _train(on_device, ids, "neuron", compile_it)
+    if where == "outside":
+        assert backend_stats.graphs_compiled > graphs
+        assert got[0] == want[0]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-6)
+    else:
+        assert got == want

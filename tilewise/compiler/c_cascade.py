@@ -18,6 +18,7 @@ import platform
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 # ATen's vector widths per CPU capability (vec_base.h: VECTOR_WIDTH), widest first; other machines
 # keep CPU's kernel. An AVX-512 machine may run the sum kernel at AVX2's width: PyTorch builds most
@@ -34,7 +35,10 @@ def vector_bytes() -> int | None:
     None where no width does, or the capability is not known here."""
     widths = _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability(), ()) \
         if platform.machine() in ("x86_64", "AMD64") else ()
-    return next((width for width in widths if _gives_cpus_sums(width)), None)
+    # on CPU's kernels, whatever mode the first compile runs under (a torch.compile backend's:
+    # AOTAutograd's fake tensors, which have no .numpy())
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        return next((width for width in widths if _gives_cpus_sums(width)), None)
 
 
 def _gives_cpus_sums(width: int) -> bool:

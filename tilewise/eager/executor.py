@@ -8,6 +8,8 @@ over the arguments.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..device import backward_errors
 from ..device.cost import compute_rate
@@ -251,8 +253,18 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torc
         if arg.layout is not torch.strided or arg.is_quantized or arg.is_nested:
             raise DeviceError(not_dense_message(arg, plan.name))
         return arg
+    if arg.device.type == "neuron" and _is_traced(arg):
+        # a factory's result while torch.compile traces (torch.arange(..., device=x.device)): a
+        # plain tensor on the device, which stands for a device tensor; its host value is its copy
+        # to the CPU, which the trace records as it records the factory
+        return arg.to("cpu")
     raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
                       f"devices, neuron:{traffic.destination()} and {arg.device}! (in {plan.name})")
+
+
+def _is_traced(tensor: torch.Tensor) -> bool:
+    """A trace's tensor (fake, functional): what a trace makes, never a program's data."""
+    return isinstance(tensor, (FakeTensor, FunctionalTensor))
 
 
 def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:

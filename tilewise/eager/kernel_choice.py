@@ -76,6 +76,7 @@ import torch
 from torch._decomp import decompositions
 from torch._prims_common import suggest_memory_format
 from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from torch.optim import asgd, nadam, radam, swa_utils
 
@@ -125,9 +126,20 @@ def _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     if not all(type(t) is NeuronTensor for t in tensors):
         return int(SDPBackend.MATH)
-    query, key, value, attn_mask = [None if t is None else _host_like(t) for t in (query, key, value, attn_mask)]
-    return aten._fused_sdp_choice.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+    hosts = [None if t is None else _host_like(t) for t in (query, key, value, attn_mask)]
+    with _disable_current_modes():  # a trace's fake host tensors: CPU's stub answers for stand-ins alike
+        query, key, value, attn_mask = [None if h is None else _stand_in(h) for h in hosts]
+        return aten._fused_sdp_choice.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def _stand_in(host: torch.Tensor) -> torch.Tensor:
+    """`host`, or where it is a trace's (fake, functional) a CPU tensor laid out alike: the choice
+    reads sizes, strides, dtype and requires_grad only. Fake tensors have a stub of their own, which
+    answers MATH whatever CPU's would, and a compiled graph then differed from CPU's attention."""
+    if type(host) is torch.Tensor or type(host) is torch.nn.Parameter:
+        return host
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype).requires_grad_(host.requires_grad)
 
 
 def _host_like(tensor: NeuronTensor) -> torch.Tensor:
