@@ -264,6 +264,24 @@ def test_a_tensor_made_from_data_compiles_into_the_region_that_reads_it(mode):
     assert not stats.fallbacks and stats.ops_compiled >= 4, stats.report()
 
 
+def test_a_fake_tensor_mode_in_the_block_makes_fake_tensors():
+    """A FakeTensorMode entered in an engine block (DTensor's sharding propagation enters one on
+    every new op) sits below the engine's dispatch mode: a factory it should compute was made a
+    real device tensor, recorded, and failed at the flush ('Please convert all Tensors to
+    FakeTensors first')."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    x = torch.randn(3).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x + 1
+        with FakeTensorMode():
+            fake = torch.empty(2, 3, device="neuron")
+            product = fake * 2
+    assert type(fake) is FakeTensor and type(product) is FakeTensor and fake.device == torch.device("neuron", 0)
+    assert torch.equal(y.cpu(), x.cpu() + 1)
+    assert tilewise.stats().ops_seen == 1, tilewise.stats().report()
+
+
 @pytest.mark.parametrize("touched", ["written by recorded work", "read by recorded work", "a view of it read"])
 def test_an_op_below_the_python_key_waits_for_recorded_work_on_its_memory(touched):
     a, b = torch.randn(4), torch.randn(4)

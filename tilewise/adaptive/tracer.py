@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch._C._dynamo import eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from ..device import backward_errors
 from ..device.tensor import NeuronTensor, names_neuron
 from ..eager.executor import execute
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 class Tracer(TorchDispatchMode):
@@ -31,6 +35,13 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if len(types) != 1 or types[0] is not NeuronTensor:
+            if _get_dispatch_mode(_FAKE) is not None:
+                # fake tensors' metadata (DTensor's sharding propagation, a torch.compile trace):
+                # no device work, the fake mode's to compute (it sits below this user mode)
+                return func(*args, **kwargs)
+            if _foreign(types):
+                return NotImplemented
         try:
             if NeuronTensor not in types:
                 if not names_neuron(kwargs.get("device")):
@@ -46,6 +57,15 @@ class Tracer(TorchDispatchMode):
             if not backward_errors.inside():
                 raise
             return backward_errors.kept(error, func, args)
+
+
+def _foreign(types) -> bool:
+    """Whether a tensor subclass other than NeuronTensor takes part (DTensor, a functional
+    collective's AsyncCollectiveTensor, any wrapper subclass). The tracer then returns
+    NotImplemented, as FakeTensorMode does for subclasses it does not own: the subclass's own
+    __torch_dispatch__ runs with the tracer still on the mode stack, so the ops it runs on its
+    inner neuron tensors come back here and are recorded like any other."""
+    return any(not issubclass(t, NeuronTensor) for t in types)
 
 
 @contextlib.contextmanager
