@@ -1,11 +1,13 @@
 """DTensor programs in engine blocks, on a one-rank "neuron" mesh in this process: the same values
 as plain PyTorch on the CPU, bitwise, in every mode, and compiled regions in the lazy ones. Two ranks
 (tensor parallelism, FSDP2) are tests/test_distributed.py's."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import tilewise
 
@@ -54,6 +56,21 @@ def test_a_foreach_op_on_a_dtensor_and_a_neuron_tensor(mesh, mode):
             tilewise.sync()
     assert isinstance(g, DTensor) and torch.equal(_host(g), a * 0.125)
     _assert_compiled(mode)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_an_op_on_a_neuron_tensor_then_a_dtensor_is_dtensor_s(mesh, mode):
+    """PyTorch offers an op to the subclasses in argument order: NeuronTensor's handler came first
+    in `mul(neuron_scalar, dtensor)` and raised 'found at least two devices, neuron:0 and
+    neuron:0', in a block or not. It leaves the op to DTensor, which computes it as on the CPU, or
+    refuses a plain tensor beside a DTensor with its own message, as on the CPU."""
+    a = torch.randn(4, 4)
+    g = distribute_tensor(a.to("neuron"), mesh, [Replicate()])
+    with tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+        product = torch.mul(torch.tensor(0.5, device="neuron"), g)
+        with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
+            torch.add(a.to("neuron"), g)
+    assert isinstance(product, DTensor) and torch.equal(_host(product), torch.mul(torch.tensor(0.5), a))
 
 
 def _parameters(device: str, mesh) -> list[torch.nn.Parameter]:

@@ -12,7 +12,7 @@ from torch._C._dynamo import eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from ..device import backward_errors
-from ..device.tensor import NeuronTensor, names_neuron
+from ..device.tensor import NeuronTensor, foreign_subclass, names_neuron
 from ..eager.executor import execute
 
 _get_dispatch_mode = torch._C._get_dispatch_mode
@@ -40,7 +40,7 @@ class Tracer(TorchDispatchMode):
                 # fake tensors' metadata (DTensor's sharding propagation, a torch.compile trace):
                 # no device work, the fake mode's to compute (it sits below this user mode)
                 return func(*args, **kwargs)
-            if _foreign(types):
+            if foreign_subclass(types):  # its own dispatch first; its ops on neuron tensors come back here
                 return NotImplemented
         try:
             if NeuronTensor not in types:
@@ -57,15 +57,6 @@ class Tracer(TorchDispatchMode):
             if not backward_errors.inside():
                 raise
             return backward_errors.kept(error, func, args)
-
-
-def _foreign(types) -> bool:
-    """Whether a tensor subclass other than NeuronTensor takes part (DTensor, a functional
-    collective's AsyncCollectiveTensor, any wrapper subclass). The tracer then returns
-    NotImplemented, as FakeTensorMode does for subclasses it does not own: the subclass's own
-    __torch_dispatch__ runs with the tracer still on the mode stack, so the ops it runs on its
-    inner neuron tensors come back here and are recorded like any other."""
-    return any(not issubclass(t, NeuronTensor) for t in types)
 
 
 @contextlib.contextmanager
