@@ -35,16 +35,16 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if len(types) != 1 or types[0] is not NeuronTensor:
-            if _get_dispatch_mode(_FAKE) is not None:
-                # fake tensors' metadata (DTensor's sharding propagation, a torch.compile trace):
-                # no device work, the fake mode's to compute (it sits below this user mode)
-                return func(*args, **kwargs)
-            if foreign_subclass(types):  # its own dispatch first; its ops on neuron tensors come back here
-                return NotImplemented
+        if types and (len(types) != 1 or types[0] is not NeuronTensor) and foreign_subclass(types):
+            # another subclass's op (DTensor's): its own dispatch first, whose ops on neuron tensors
+            # come back here; fake tensors' (below), the fake mode's
+            return NotImplemented if _get_dispatch_mode(_FAKE) is None else func(*args, **kwargs)
         try:
             if NeuronTensor not in types:
-                if not names_neuron(kwargs.get("device")):
+                # Under a fake mode (DTensor's sharding propagation, a torch.compile trace) a
+                # factory is metadata, the fake mode's to make: it is an infra mode, kept below
+                # this user mode, which would otherwise make a real device tensor of it.
+                if not names_neuron(kwargs.get("device")) or _get_dispatch_mode(_FAKE) is not None:
                     return func(*args, **kwargs)
                 if self.lazy:
                     return self.runtime.create(func, args, kwargs, self.settings)
