@@ -7,6 +7,11 @@ Then DDP and FSDP2 (`fully_shard`) train a small GPT for a few steps in each mod
 Every collective runs twice on the same inputs: on neuron tensors through the default ("neuron")
 group, and on CPU tensors through a gloo group, the reference. In the lazy modes the inputs are
 computed inside the engine block, so the collective has to compute the pending work first.
+
+    python tests/distributed_worker.py OUT.json dtensor
+
+runs the DTensor programs instead (tensor parallel, sequence parallel, FSDP2, with gradient
+clipping and AdamW) on a CPU mesh, the reference, and on a neuron mesh in every mode.
 """
 import contextlib
 import datetime
@@ -19,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import tilewise
 from tilewise.distributed.workloads import fully_shard_blocks, neuron_device, train_parallel
+from tilewise.eager.executor import counters
 
 MODES = ("eager", "adaptive")
 STEPS, WARMUP, BATCH = 6, 4, 4
@@ -155,6 +161,98 @@ def tensor_parallel(mode: str) -> dict:
     return {"losses": losses, "collectives": {k: vars(t) for k, t in tilewise.stats().collectives.items()}}
 
 
+DTENSOR_MODES = ("eager", "adaptive", "compiled")
+DTENSOR_STEPS = 5
+
+
+def tensor_parallel_mlp(device, mesh):
+    """The MLP, its first layer split by columns, its second by rows (Megatron-style)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, x = mlp_and_input()
+    return parallelize_module(model.to(device), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), x
+
+
+def sequence_parallel_norm(device, mesh):
+    """RMSNorm over this rank's share of the sequence (SequenceParallel), then the MLP in tensor
+    parallel, its input gathered along the sequence and its output scattered back."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.RMSNorm(8), torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 4 * world, 8)[:, 4 * rank:4 * (rank + 1)]
+    plan = {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+            "3": RowwiseParallel(output_layouts=Shard(1))}
+    return parallelize_module(model.to(device), mesh, plan), x
+
+
+def fully_sharded_mlp(device, mesh):
+    """FSDP2: each linear layer, then the root, sharded over the ranks; each rank its rows."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(device)
+    x = torch.randn(4 * world, 8)[4 * rank:4 * (rank + 1)]
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh), x
+
+
+DTENSOR_PROGRAMS = {"tensor_parallel": tensor_parallel_mlp, "sequence_parallel": sequence_parallel_norm,
+                    "fsdp": fully_sharded_mlp}
+
+
+def dtensor_training(make, device, mode: str | None) -> dict:
+    """A few steps of torchtitan's loop on the program `make` builds: forward, backward, gradient
+    clipping (foreach), AdamW (foreach); this rank's losses and whole parameters, and what the
+    engine compiled."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    model, x = make(device, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    losses = []
+    tilewise.reset_caches()  # each mode compiles its own regions
+    tilewise.stats().reset()
+    executed, before = [], counters.ops  # ops the eager executor ran one by one, each step
+    with tilewise.engine(mode=mode, threshold=2) if mode else contextlib.nullcontext():
+        for _ in range(DTENSOR_STEPS):
+            loss = model(x.to(device)).pow(2).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            executed.append(counters.ops - before)
+            before = counters.ops
+    stats = tilewise.stats()
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().tolist()
+              for p in model.parameters()]
+    return {"losses": losses, "params": params, "compiles": stats.compiles,
+            "compiled_fraction": stats.compiled_fraction, "executed": executed, "report": stats.report()}
+
+
+def dtensor_main(path: str) -> None:
+    """The DTensor programs on a CPU mesh (gloo: the reference) and on a neuron mesh in each mode."""
+    dist.init_process_group("neuron", timeout=datetime.timedelta(seconds=240))
+    torch.use_deterministic_algorithms(True)
+    torch.neuron.set_device(neuron_device())  # as with CUDA: DTensor makes its tensors on the current device
+    report = {}
+    for name, make in DTENSOR_PROGRAMS.items():
+        report[name] = {"cpu": dtensor_training(make, "cpu", None)}
+        for mode in DTENSOR_MODES:
+            report[name][mode] = dtensor_training(make, neuron_device(), mode)
+    with open(path, "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
 def batch_norm_cnn_and_data(steps: int = 4, global_batch: int = 8):
     """A CNN with BatchNorm and its batches: SyncBatchNorm's workload, and its reference."""
     torch.manual_seed(0)
@@ -243,5 +341,8 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["dtensor"]:
+        dtensor_main(sys.argv[1])
+    else:
+        main(sys.argv[1])
     sys.exit(0)

@@ -247,6 +247,41 @@ def test_making_a_tensor_from_data_leaves_recorded_work_deferred():
     assert tilewise.stats().flush_reasons["synchronize"] == 0
 
 
+@pytest.mark.parametrize("mode", ["adaptive", "compiled"])
+def test_a_tensor_made_from_data_compiles_into_the_region_that_reads_it(mode):
+    """torch.tensor(data, device="neuron") ends in lift_fresh, which returns its argument itself.
+    The segment knew a value by its tensor's identity, so the recorded lift_fresh was its own input
+    and the region that reads it failed to compile (KeyError), running eagerly instead."""
+    a = torch.randn(4, 4)
+    x, y = a.to("neuron"), a.to("neuron")
+    with tilewise.engine(mode=mode, threshold=2):
+        for _ in range(3):
+            z = x * torch.tensor(0.5, device="neuron")
+            torch._foreach_mul_([y], torch.tensor(0.5, device="neuron"))
+            tilewise.sync()
+    assert torch.equal(z.cpu(), a * 0.5) and torch.equal(y.cpu(), a * 0.125)
+    stats = tilewise.stats()
+    assert not stats.fallbacks and stats.ops_compiled >= 4, stats.report()
+
+
+def test_a_fake_tensor_mode_in_the_block_makes_fake_tensors():
+    """A FakeTensorMode entered in an engine block (DTensor's sharding propagation enters one on
+    every new op) sits below the engine's dispatch mode: a factory it should compute was made a
+    real device tensor, recorded, and failed at the flush ('Please convert all Tensors to
+    FakeTensors first')."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    x = torch.randn(3).to("neuron")
+    with tilewise.engine(mode="adaptive"):
+        y = x + 1
+        with FakeTensorMode():
+            fake = torch.empty(2, 3, device="neuron")
+            product = fake * 2
+    assert type(fake) is FakeTensor and type(product) is FakeTensor and fake.device == torch.device("neuron", 0)
+    assert torch.equal(y.cpu(), x.cpu() + 1)
+    assert tilewise.stats().ops_seen == 1, tilewise.stats().report()
+
+
 @pytest.mark.parametrize("touched", ["written by recorded work", "read by recorded work", "a view of it read"])
 def test_an_op_below_the_python_key_waits_for_recorded_work_on_its_memory(touched):
     a, b = torch.randn(4), torch.randn(4)

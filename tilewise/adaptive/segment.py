@@ -23,6 +23,7 @@ from . import scalars
 from .policy import Reason, Settings, Why
 
 _inference_mode_enabled = torch.is_inference_mode_enabled  # read for every recorded op
+_alias = torch.ops.aten.alias.default
 EXTERNAL = ("x",)
 VIEW, INPLACE, FUNCTIONAL = "view", "inplace", "functional"
 
@@ -246,6 +247,10 @@ class Segment:
         if plan.view:
             node.kind = VIEW
             host_out = plan.call(*node.args, **node.kwargs)  # metadata only: no data is read
+            if any(host_out is t for t in node.inputs):
+                # lift_fresh returns its argument itself: its output must be a tensor of its own,
+                # as the segment knows values by identity (else the input is its own output)
+                host_out = _alias(host_out)
             # a view of a device tensor shares its counted storage; of anything else, wrap() counts it
             wrapper = wrap_view if node.srcs or node.ext else wrap
             root = self._root_of(node)  # every output aliases the same value

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch._C._dynamo import eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from ..device import backward_errors
-from ..device.tensor import NeuronTensor, names_neuron
+from ..device.tensor import NeuronTensor, foreign_subclass, names_neuron
 from ..eager.executor import execute
+
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 class Tracer(TorchDispatchMode):
@@ -31,9 +35,16 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if types and (len(types) != 1 or types[0] is not NeuronTensor) and foreign_subclass(types):
+            # another subclass's op (DTensor's): its own dispatch first, whose ops on neuron tensors
+            # come back here; fake tensors' (below), the fake mode's
+            return NotImplemented if _get_dispatch_mode(_FAKE) is None else func(*args, **kwargs)
         try:
             if NeuronTensor not in types:
-                if not names_neuron(kwargs.get("device")):
+                # Under a fake mode (DTensor's sharding propagation, a torch.compile trace) a
+                # factory is metadata, the fake mode's to make: it is an infra mode, kept below
+                # this user mode, which would otherwise make a real device tensor of it.
+                if not names_neuron(kwargs.get("device")) or _get_dispatch_mode(_FAKE) is not None:
                     return func(*args, **kwargs)
                 if self.lazy:
                     return self.runtime.create(func, args, kwargs, self.settings)

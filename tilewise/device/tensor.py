@@ -20,6 +20,17 @@ _CORES = DEVICE.cores
 def names_neuron(device) -> bool:
     """Whether a `device=` argument (a string or torch.device) names the neuron device."""
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "neuron"
+
+
+def foreign_subclass(types) -> bool:
+    """Whether a tensor subclass other than NeuronTensor (and its own subclasses) takes part in an
+    op: DTensor, a functional collective's AsyncCollectiveTensor, any wrapper subclass around
+    neuron tensors. Such an op is that subclass's to dispatch first (the engine's mode and
+    NeuronTensor return NotImplemented, as FakeTensorMode does for subclasses it does not own);
+    it runs again on the neuron tensors inside."""
+    return any(not issubclass(t, NeuronTensor) for t in types)
+
+
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _inference_mode_enabled = torch.is_inference_mode_enabled
 

@@ -14,7 +14,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..device import backward_errors
 from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor, wrap, wrap_output
+from ..device.tensor import NeuronTensor, foreign_subclass, wrap, wrap_output
 from ..errors import DeviceError
 from . import composite, cuda_inputs
 from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
@@ -438,6 +438,8 @@ def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:
 
 def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     """NeuronTensor.__torch_dispatch__: execute(), without a frame of its own."""
+    if len(types) != 1 and foreign_subclass(types):  # DTensor's op, even as `mul(neuron_scalar, dtensor)`
+        return NotImplemented
     try:
         if DEVICE.lazy_pending:
             DEVICE.synchronize()
