@@ -188,8 +188,7 @@ class CompileProcess:
     def _write_requests(self, child: "_Child") -> None:
         while (request := self._requests.get()) is not None:
             try:
-                child.requests.write(request)
-                child.requests.flush()
+                _write_all(child.requests, request)
             except (OSError, ValueError):
                 return  # the process is gone: the reply thread sees its end and says why
 
@@ -200,7 +199,7 @@ class CompileProcess:
             try:
                 line = replies.readline()
                 header = json.loads(line) if line else None
-                payload = replies.read(header["bytes"]) if header else b""
+                payload = _read_exactly(replies, header["bytes"]) if header else b""
             except (ValueError, KeyError, TypeError, OSError):
                 header = None
             if header is None or len(payload) != header["bytes"]:
@@ -234,8 +233,28 @@ class CompileProcess:
         return False
 
 
+def _write_all(pipe, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[pipe.write(view):]
+
+
+def _read_exactly(pipe, count: int) -> bytes:
+    """`count` bytes, or fewer where the pipe ends first."""
+    parts, left = [], count
+    while left:
+        part = pipe.read(left)
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
 class _Child(NamedTuple):
-    """The compile process as its parent sees it, however it was started."""
+    """The compile process as its parent sees it, however it was started. Its pipes are unbuffered
+    (raw): a buffered file's lock is held by the thread blocked in it, and a fork of the program,
+    which has no such thread, hung for ever closing the inherited ends."""
     pid: int
     requests: BinaryIO    # write end
     replies: BinaryIO     # read end
@@ -264,7 +283,8 @@ def _fork() -> _Child:
         process.join(timeout)
         return process.exitcode
 
-    return _Child(process.pid, os.fdopen(requests_write, "wb"), os.fdopen(replies_read, "rb"), wait, process.kill)
+    return _Child(process.pid, os.fdopen(requests_write, "wb", buffering=0), os.fdopen(replies_read, "rb", buffering=0),
+                  wait, process.kill)
 
 
 def _run() -> _Child:
@@ -275,7 +295,7 @@ def _run() -> _Child:
         raise ValueError("no Python executable to run it with (sys.executable is empty)")
     env = environment_with(background_compile="off")
     process = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)], env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=0)
 
     def wait(timeout):
         try:
@@ -291,7 +311,7 @@ def carries(gm: torch.fx.GraphModule) -> bool:
     is an op some library registered), as in a disk cache entry."""
     return all(node.op != "call_function" or node.target is operator.getitem
                or isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in NAMESPACES
-               for node in gm.graph.nodes)
+               and node.target.namespace != "_c10d_functional" for node in gm.graph.nodes)
 
 
 _KEYS = itertools.count()

@@ -8,6 +8,8 @@ layer above installs (eager by default); the device layer itself runs nothing.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import DeviceError
 from .runtime import DEVICE
@@ -27,8 +29,10 @@ def foreign_subclass(types) -> bool:
     op: DTensor, a functional collective's AsyncCollectiveTensor, any wrapper subclass around
     neuron tensors. Such an op is that subclass's to dispatch first (the engine's mode and
     NeuronTensor return NotImplemented, as FakeTensorMode does for subclasses it does not own);
-    it runs again on the neuron tensors inside."""
-    return any(not issubclass(t, NeuronTensor) for t in types)
+    it runs again on the neuron tensors inside. A trace's own tensors (fake, functional: a
+    factory's result on the device while torch.compile traces) are not foreign: the device's
+    dispatch takes them (eager/executor._is_traced)."""
+    return any(not issubclass(t, _OWN) for t in types)
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -113,6 +117,10 @@ class NeuronTensor(torch.Tensor):
         if DEVICE.lazy_pending:
             DEVICE.synchronize()
         return _rebuild, (self._data.detach(), self.requires_grad)
+
+
+TRACED = (FakeTensor, FunctionalTensor)  # a trace's stand-ins for tensors (torch.compile's)
+_OWN = (NeuronTensor, *TRACED)  # the tensor types the device's dispatch takes
 
 
 def reduce_for_process(tensor: NeuronTensor):

@@ -8,13 +8,11 @@ over the arguments.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..device import backward_errors
 from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
-from ..device.tensor import NeuronTensor, foreign_subclass, wrap, wrap_output
+from ..device.tensor import TRACED, NeuronTensor, foreign_subclass, wrap, wrap_output
 from ..errors import DeviceError
 from . import composite, cuda_inputs
 from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
@@ -264,7 +262,7 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torc
 
 def _is_traced(tensor: torch.Tensor) -> bool:
     """A trace's tensor (fake, functional): what a trace makes, never a program's data."""
-    return isinstance(tensor, (FakeTensor, FunctionalTensor))
+    return isinstance(tensor, TRACED)
 
 
 def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:
