@@ -231,3 +231,36 @@ def test_nothing_a_user_passes_crashes_the_interpreter():
     out = subprocess.run([sys.executable, "-c", CRASHERS], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["survived", "True"], out.stdout + out.stderr[-2000:]
+
+
+def _malformed(setting):
+    """A value of the setting's environment variable that its check refuses, or None."""
+    from tilewise.config import _number_from_environment
+    for raw in ("bogus", "-5", "1.5", "1000000000"):
+        value = _number_from_environment(raw) if isinstance(setting.default, int) or setting.number else raw
+        try:
+            setting.check(setting.env, value)
+        except tilewise.ConfigError:
+            return raw
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in SETTINGS.items() if s.env))
+def test_every_malformed_setting_fails_at_the_engine_block_with_its_allowed_values(name, monkeypatch):
+    """TILEWISE_HOST_BACKEND=gpu ran a compiled block with no compile and no message (the compile
+    read it and fell back to eager), TILEWISE_CACHE_LIMIT_MB=0 killed the native builder thread, and
+    TILEWISE_CORES=1000000000 hung at start: each fails where the program enters the block."""
+    setting = SETTINGS[name]
+    raw = _malformed(setting)
+    if raw is None:
+        pytest.skip(f"{setting.env} accepts any text (a path)")
+    monkeypatch.setenv(setting.env, raw)
+    with pytest.raises(tilewise.ConfigError, match=setting.env):
+        with tilewise.engine():
+            pass
+
+
+def test_the_core_count_is_bounded_by_what_is_simulated():
+    with pytest.raises(tilewise.ConfigError, match="at most 128"):
+        tilewise.config.validate("cores", 1_000_000_000)
+    assert tilewise.config.validate("cores", 128) == 128

@@ -45,9 +45,18 @@ def _int_at_least(low: int) -> Callable[[str, Any], int]:
     return check
 
 
+MAX_CORES = 128  # a trn2.48xlarge's NeuronCores (16 chips of 8): each core is simulated with state of its own
+
+
 def _optional_cores(name: str, value: Any) -> int | None:
-    """None: the DeviceSpec's cores per chip; else a whole number of cores >= 1."""
-    return None if value is None else _int_at_least(1)(name, value)
+    """None: the DeviceSpec's cores per chip; else a whole number of cores from 1 to MAX_CORES."""
+    if value is None:
+        return None
+    cores = _int_at_least(1)(name, value)
+    if cores > MAX_CORES:
+        raise ConfigError(f"{name} must be at most {MAX_CORES} (the NeuronCores of the largest instance this "
+                          f"simulates); got {value!r}")
+    return cores
 
 
 def _default_cache_dir() -> str:
@@ -190,6 +199,7 @@ class _Config:
             self._overrides.update(saved)
 
     def as_dict(self) -> dict[str, Any]:
+        """Every setting's value now; raises ConfigError for the first malformed one."""
         return {name: getattr(self, name) for name in SETTINGS}
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import config
+from ..errors import ConfigError
 from ..device.runtime import DEVICE
 from ..graphs import reads_offsets
 from ..host_threads import run_kernels_serially
@@ -76,6 +77,10 @@ class Compiling(NamedTuple):
 
 
 def compile_failure(error: Exception) -> Reason:
+    """Why a region runs eagerly after its compile raised `error`; a setting the compile read and
+    refused (ConfigError) is the program's error, raised, never a silent fallback to eager."""
+    if isinstance(error, ConfigError):
+        raise error
     return Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100])
 
 

@@ -32,6 +32,7 @@ class engine:
         self._entered: list = []  # the tracer pushed per entry (a block may be entered again, nested)
 
     def __enter__(self) -> Stats:
+        config.as_dict()  # a malformed setting fails here, with its allowed values, not later in a thread
         DEVICE.refresh_from_config()
         RUNTIME.flush("engine entered")
         settings = Settings(self.mode, self.threshold, config.max_segment_ops, config.background_compile == "on")

@@ -178,6 +178,9 @@ class HostExecutable:
                 return
             self._fail(f"tilewise: native host code could not be built ({error}); the region keeps its "
                        f"PyTorch executable")
+        except Exception as error:  # noqa: BLE001 - said, and the builder thread lives on for the next build
+            self._fail(f"tilewise: building a region's native host code raised {type(error).__name__}: {error}; "
+                       f"the region keeps its PyTorch executable")
         else:
             self.forward, self.tier = mixed.forward, Tier.NATIVE
             if CHOOSE_BY_MEASUREMENT:
