@@ -304,3 +304,26 @@ def test_a_linalg_solve_step_compiles_with_cpu_s_values(mode):
     stats = tilewise.stats()
     assert stats.ops_compiled > 0
     assert not [reason for (_, reason) in stats.fallbacks if reason.startswith("compile failed")], stats.report()
+
+
+def test_a_full_disk_costs_the_cache_its_entry_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A 64 KiB file system under the cache left a `.tmp-*` file behind at every write that ran out
+    of room, run after run."""
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fn = lambda x: torch.tanh(x) * 3  # noqa: E731
+    x = torch.randn(6, 7)
+    with tilewise.config.patch(cache_dir=str(tmp_path / "cache"), cache_key_file=str(tmp_path / "cache.key")):
+        compile_graph(make_fx(torch.sin)(x), [x])  # the directory and its key made, one entry written
+        monkeypatch.setattr("tilewise.compiler.disk.os.fsync", full)
+        errors = cache.stats.disk_errors
+        with pytest.warns(RuntimeWarning, match="No space left"):
+            compiled = compile_graph(make_fx(fn)(x), [x])
+        assert torch.equal(compiled.run(x)[0], fn(x))
+    assert cache.stats.disk_errors == errors + 1
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tmp-")] == []
+    assert len(list((tmp_path / "cache").glob("*.twc"))) == 1
+    cache.clear_memory()

@@ -203,12 +203,18 @@ def _read(fd: int) -> bytes:
 
 
 def _write_new(dir_fd: int, data: bytes) -> str:
-    """Write `data` to a new 0600 file in the directory, flushed to disk; its name."""
+    """Write `data` to a new 0600 file in the directory, flushed to disk; its name. On any error
+    the file is removed."""
     name = f".tmp-{secrets.token_hex(8)}"
-    with os.fdopen(os.open(name, _CREATE_FILE, 0o600, dir_fd=dir_fd), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(name, _CREATE_FILE, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, an interrupt: no part-written file is left behind
+        os.unlink(name, dir_fd=dir_fd)
+        raise
     return name
 
 
