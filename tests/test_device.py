@@ -337,3 +337,16 @@ def test_assigning_data_replaces_the_buffer_like_cpu():
     with pytest.raises(TypeError, match="to\\('neuron'\\)"):
         param.data = torch.ones(2, 3)
     torch.testing.assert_close(param.detach().cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+def test_device_properties_answer_as_torch_cuda_s_do():
+    """torchtitan's metrics and many scripts written for CUDA read get_device_properties(i)."""
+    props = torch.neuron.get_device_properties(0)
+    assert props.name == torch.neuron.get_device_name(0)
+    assert props.total_memory == torch.neuron.mem_get_info(0)[1] == tilewise.DEVICE.cores[0].hbm.capacity
+    assert props.multi_processor_count == tilewise.DEVICE.spec.cores_per_chip
+    assert torch.get_device_module("neuron").get_device_properties(torch.device("neuron", 1)).total_memory == \
+        props.total_memory
+    assert torch.neuron.get_device_capability() == (0, 0)
+    with pytest.raises(tilewise.DeviceError, match="invalid device ordinal"):
+        torch.neuron.get_device_properties(torch.neuron.device_count())

@@ -1,6 +1,8 @@
 """`torch.neuron`: the familiar torch.cuda surface for the simulated device."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .runtime import DEVICE
@@ -65,6 +67,38 @@ class device_of(device):
 
 def get_device_name(device=None) -> str:
     return f"NeuronCore {device_index(device)} (simulated {DEVICE.spec.name})"
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What `torch.neuron.get_device_properties(i)` says of a NeuronCore, under the names
+    `torch.cuda.get_device_properties` uses (training scripts and torchtitan's metrics read
+    `.name` and `.total_memory`); the figures are the DeviceSpec's."""
+    name: str
+    total_memory: int                 # bytes of the core's HBM
+    multi_processor_count: int        # the NeuronCores of a chip
+    major: int = 0                    # no CUDA compute capability
+    minor: int = 0
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    sbuf_bytes: int = 0
+    psum_bytes: int = 0
+    partitions: int = 0
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    index = device_index(device)
+    spec = DEVICE.spec
+    return DeviceProperties(name=get_device_name(index), total_memory=DEVICE.cores[index].hbm.capacity,
+                            multi_processor_count=spec.cores_per_chip, sbuf_bytes=spec.sbuf_bytes,
+                            psum_bytes=spec.psum_bytes, partitions=spec.partitions)
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(0, 0): a NeuronCore has no CUDA compute capability (code that checks for one takes no
+    CUDA-only path)."""
+    properties = get_device_properties(device)
+    return properties.major, properties.minor
 
 
 def synchronize(device=None) -> None:
