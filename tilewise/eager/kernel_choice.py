@@ -59,10 +59,12 @@ PyTorch's Python and derivatives.yaml for device-type branches); `install` sets 
   losses and gradients were off CPU's by 16-bit ulps. `neuron` resolves "auto" as CPU does.
 - The optimizers' default implementation: the multi-tensor one (`foreach`) for the devices listed
   as having foreach kernels, PrivateUse1 among them, the per-parameter loop for CPU. Most compute
-  the same values either way, but NAdam, RAdam and ASGD round otherwise (5 steps of a small MLP:
-  parameters off CPU's by up to 7.5e-8). Those three default to the loop on `neuron` as on CPU; the
-  others keep `foreach`, one recorded op per parameter group instead of one per parameter (the
-  tests hold every optimizer to CPU's values, so one that starts to differ is found). Likewise
+  the same values either way in float32, but NAdam, RAdam and ASGD round otherwise (5 steps of a
+  small MLP: parameters off CPU's by up to 7.5e-8), and in float16 and bfloat16 most do (SGD with
+  momentum by one bfloat16 step). Those three, and every optimizer of reduced-precision parameters,
+  default to the loop on `neuron` as on CPU; the others keep `foreach`, one recorded op per
+  parameter group instead of one per parameter (the tests hold every optimizer to CPU's values, so
+  one that starts to differ is found). Likewise
   `AveragedModel`'s default (SWA) average: `_foreach_lerp_` on a device with foreach kernels,
   `avg + (p - avg) / (n + 1)` per parameter on CPU (one ulp apart); neuron averages as CPU.
 - `F.interpolate` in bilinear and trilinear mode while `torch.use_deterministic_algorithms(True)`
@@ -78,7 +80,7 @@ from torch._prims_common import suggest_memory_format
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
-from torch.optim import asgd, nadam, radam, swa_utils
+from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd, swa_utils
 
 from ..device.tensor import NeuronTensor
 from ..errors import DeviceError
@@ -255,16 +257,20 @@ def _resolved_as_on_cpu(adjust):
 
 
 # The optimizers whose multi-tensor implementation rounds otherwise than the per-parameter loop
-# CPU runs (tests/test_kernel_choice.py compares every torch.optim optimizer with CPU's)
+# CPU runs, in float32 (tests/test_kernel_choice.py compares every torch.optim optimizer with CPU's)
 FOREACH_ROUNDS_OTHERWISE = (nadam, radam, asgd)
+# ... and every optimizer, in float16 and bfloat16: on CPU the foreach kernels of SGD with momentum,
+# Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam and ASGD round otherwise than the loop there
+OPTIMIZERS = (adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd)  # AdamW is adam.py's
+_REDUCED = (torch.float16, torch.bfloat16)
 
 
-def _loop_on_neuron(default):
+def _loop_on_neuron(default, always: bool):
     """An optimizer module's `_default_to_fused_or_foreach`, answering for neuron parameters what it
-    answers for CPU's: the per-parameter loop."""
+    answers for CPU's, the per-parameter loop: `always`, or for parameters in reduced precision."""
     def _default_to_fused_or_foreach(params, differentiable, use_fused=False):
         fused, foreach = default(params, differentiable, use_fused)
-        if foreach and any(isinstance(p, NeuronTensor) for p in params):
+        if foreach and any(isinstance(p, NeuronTensor) and (always or p.dtype in _REDUCED) for p in params):
             foreach = False
         return fused, foreach
     return _default_to_fused_or_foreach
@@ -299,8 +305,9 @@ def install() -> None:
         return
     # PyTorch's Python that picks by device type: each function wrapped once (install runs once)
     LinearCrossEntropyOptions._adjust = _resolved_as_on_cpu(LinearCrossEntropyOptions._adjust)
-    for module in FOREACH_ROUNDS_OTHERWISE:
-        module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach)
+    for module in OPTIMIZERS:
+        module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach,
+                                                              always=module in FOREACH_ROUNDS_OTHERWISE)
     swa_utils._get_foreach_kernels_supported_devices = _without_neuron(swa_utils._get_foreach_kernels_supported_devices)
     decompositions._upsample_linear_vec = _kernel_on_neuron(decompositions._upsample_linear_vec)
     _library = torch.library.Library("aten", "IMPL")
