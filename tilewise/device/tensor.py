@@ -32,7 +32,7 @@ def foreign_subclass(types) -> bool:
     it runs again on the neuron tensors inside. A trace's own tensors (fake, functional: a
     factory's result on the device while torch.compile traces) are not foreign: the device's
     dispatch takes them (eager/executor._is_traced)."""
-    return any(not issubclass(t, _OWN) for t in types)
+    return any(not issubclass(t, _OWN) and t.__torch_dispatch__ is not _NO_DISPATCH for t in types)
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -121,6 +121,8 @@ class NeuronTensor(torch.Tensor):
 
 TRACED = (FakeTensor, FunctionalTensor)  # a trace's stand-ins for tensors (torch.compile's)
 _OWN = (NeuronTensor, *TRACED)  # the tensor types the device's dispatch takes
+# a subclass that dispatches nothing itself (nn.Parameter of a host tensor) is no other dispatcher
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def reduce_for_process(tensor: NeuronTensor):
