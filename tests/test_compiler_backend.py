@@ -4,7 +4,7 @@ import copy
 import torch
 
 import tilewise
-from tilewise.compiler import backend_stats
+from tilewise.compiler import backend_stats, c_cascade
 
 
 def test_mlp_on_neuron_matches_cpu_losses_and_grads():
@@ -28,3 +28,20 @@ def test_mlp_on_neuron_matches_cpu_losses_and_grads():
     assert backend_stats.graphs_compiled - graphs == 2  # forward and backward, compiled once
     assert backend_stats.calls - calls == 4
     assert tilewise.DEVICE.timeline.kernels > kernels_before
+
+
+def test_the_forward_compiles_outside_dynamos_fake_mode():
+    # issue 48: AOTAutograd compiles the forward under Dynamo's fake mode, where the compiler's own
+    # check of CPU's sum order (once per process, on real tensors) failed: ".numpy() is not
+    # supported for tensor subclasses", which failed the compile of the attention in issue 48
+    torch._dynamo.reset()
+    c_cascade.vector_bytes.cache_clear()  # checked afresh, by the compile below
+    x = torch.randn(4, 37)
+    graphs = backend_stats.graphs_compiled
+    got = torch.compile(lambda x: (x * 2).softmax(-1), backend="tilewise")(x.to("neuron"))
+    assert backend_stats.graphs_compiled - graphs == 1
+    # the check ran in that compile and gave its answer (it raised there before: the kernels of
+    # the sums lost their C, refused as emitter errors)
+    assert c_cascade.vector_bytes.cache_info().currsize == 1
+    torch.testing.assert_close(got.cpu(), (x * 2).softmax(-1), rtol=0, atol=0)
+    torch._dynamo.reset()
