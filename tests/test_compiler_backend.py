@@ -1,6 +1,8 @@
 """torch.compile(backend="tilewise") on neuron tensors against the same model on CPU."""
 import copy
+import functools
 
+import pytest
 import torch
 
 import tilewise
@@ -44,4 +46,38 @@ def test_the_forward_compiles_outside_dynamos_fake_mode():
     # the sums lost their C, refused as emitter errors)
     assert c_cascade.vector_bytes.cache_info().currsize == 1
     torch.testing.assert_close(got.cpu(), (x * 2).softmax(-1), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def _attention(q, is_causal, mask_made_here):
+    mask = torch.ones(8, 8, dtype=torch.bool, device=q.device).tril() if mask_made_here else None
+    return torch.nn.functional.scaled_dot_product_attention(q * 2, q, q, attn_mask=mask, is_causal=is_causal)
+
+
+def _output_and_grad(attention, q):
+    q = q.detach().requires_grad_()
+    out = attention(q)
+    out.backward(torch.ones_like(out))
+    return out.detach(), q.grad
+
+
+@pytest.mark.parametrize("is_causal, mask_made_here", [(True, False), (False, False), (False, True)])
+def test_attention_compiles_to_cpus_values(is_causal, mask_made_here):
+    # issue 48: with is_causal, Dynamo's fake propagation met the composite's causal mask (a fake
+    # tensor on neuron, made under the fake mode) beside a neuron tensor: "neuron:0 and neuron:0";
+    # without it the forward compile failed (the compiler's check of CPU's sums ran under
+    # Dynamo's fake mode). A mask made inside the program is such a tensor too. CPU's flash
+    # kernel is taken for traced tensors as for real ones: bitwise CPU's values
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 8, 16)
+    graphs = backend_stats.graphs_compiled
+    compiled = torch.compile(functools.partial(_attention, is_causal=is_causal, mask_made_here=mask_made_here),
+                             backend="tilewise")
+    got = _output_and_grad(compiled, q.to("neuron"))
+    expected = _output_and_grad(functools.partial(_attention, is_causal=is_causal, mask_made_here=mask_made_here), q)
+    assert backend_stats.graphs_compiled - graphs == 2  # forward and backward
+    for g, e in zip(got, expected):
+        assert g.device.type == "neuron"
+        torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0)
     torch._dynamo.reset()

@@ -8,6 +8,8 @@ over the arguments.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..device import backward_errors
 from ..device.cost import compute_rate
@@ -246,6 +248,8 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torc
         if arg._core != traffic.core:
             _meet_core(traffic, arg._core, plan)
         return arg._data
+    if isinstance(arg, TRACED) and arg.device.type == "neuron":
+        return _traced_host(arg)
     # PyTorch lets a 0-dim CPU tensor stand in for a scalar next to device tensors; so do we.
     if arg.device.type == "cpu" and (arg.dim() == 0 or plan.cross_device):
         if arg.layout is not torch.strided or arg.is_quantized or arg.is_nested:
@@ -253,6 +257,20 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torc
         return arg
     raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
                       f"devices, neuron:{traffic.destination()} and {arg.device}! (in {plan.name})")
+
+
+# What a tracer (Dynamo's fake propagation, AOTAutograd's trace) makes where a program makes a neuron
+# tensor from no neuron tensor (`torch.full(..., device="neuron")`, the causal mask inside
+# scaled_dot_product_attention's composite): the tracing modes catch the factory above the device,
+# so it is their own tensor on `neuron`, not a NeuronTensor around a host stand-in as the traced
+# inputs are (__tensor_flatten__).
+TRACED = (FakeTensor, FunctionalTensor)
+
+
+def _traced_host(arg: torch.Tensor) -> torch.Tensor:
+    """A traced neuron tensor met by a NeuronTensor, as a host tensor: a copy the tracing modes
+    record (a compiled graph's factories make host buffers: compiler/decompose.host_factories)."""
+    return torch.ops.aten._to_copy.default(arg, device=CPU)
 
 
 def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:
