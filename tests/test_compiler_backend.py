@@ -81,3 +81,32 @@ def test_attention_compiles_to_cpus_values(is_causal, mask_made_here):
         assert g.device.type == "neuron"
         torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+def test_compiled_model_called_in_an_engine_block_compiles_outside_it():
+    # issue 48: after a call inside the block, Dynamo compiled the engine's own frames
+    # ("'NeuronTensor' object has no attribute '_data'"), and every later call of the model ran
+    # uncompiled (Dynamo marks a frame it skips under a dispatch mode skipped for good)
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(8, 4)
+    compiled = torch.compile(copy.deepcopy(cpu_model).to("neuron"), backend="tilewise")
+    x = torch.randn(3, 8)
+    graphs = backend_stats.graphs_compiled
+    with tilewise.engine():
+        inside = compiled(x.to("neuron")).sum().item()
+    assert backend_stats.graphs_compiled == graphs  # the engine ran it
+    assert inside == cpu_model(x).sum().item()
+    outside = compiled(x.to("neuron"))
+    assert backend_stats.graphs_compiled - graphs == 1  # the forward (AOTAutograd compiles the backward on its first call)
+    torch.testing.assert_close(outside.detach().cpu(), cpu_model(x).detach(), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_dynamo_traces_the_workloads_not_the_engine():
+    from torch._dynamo import trace_rules
+
+    import tilewise.eager.executor
+    import tilewise.workloads
+    assert trace_rules.check_file(tilewise.eager.executor.__file__).skipped
+    assert trace_rules.check_file(tilewise.device.tensor.__file__).skipped
+    assert not trace_rules.check_file(tilewise.workloads.__file__).skipped

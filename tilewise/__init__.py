@@ -1,11 +1,12 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
-from . import adaptive, device, distributed, eager
+from . import adaptive, device, distributed, dynamo_rules, eager
 from .adaptive import engine, explain, reset_caches, stats, sync, wait_for_compiles
 from .config import config
 from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
 
 eager.install()
+dynamo_rules.install()
 adaptive.prepare_background_compiles()
 
 __version__ = "0.1.0"
