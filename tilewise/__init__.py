@@ -7,7 +7,7 @@ from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
 
 eager.install()
-dynamo.skip_tilewise()
+dynamo.install()
 adaptive.prepare_background_compiles()
 
 __version__ = "0.1.0"

@@ -246,23 +246,24 @@ def _host_tensor_arg(arg: torch.Tensor, plan: OpPlan, traffic: _Traffic) -> torc
         if arg._core != traffic.core:
             _meet_core(traffic, arg._core, plan)
         return arg._data
+    if isinstance(arg, TRACED) and arg.device.type == "neuron":
+        return _traced_host(arg)
     # PyTorch lets a 0-dim CPU tensor stand in for a scalar next to device tensors; so do we.
     if arg.device.type == "cpu" and (arg.dim() == 0 or plan.cross_device):
         if arg.layout is not torch.strided or arg.is_quantized or arg.is_nested:
             raise DeviceError(not_dense_message(arg, plan.name))
         return arg
-    if arg.device.type == "neuron" and _is_traced(arg):
-        # a factory's result while torch.compile traces (torch.arange(..., device=x.device)): a
-        # plain tensor on the device, which stands for a device tensor; its host value is its copy
-        # to the CPU, which the trace records as it records the factory
-        return arg.to("cpu")
     raise DeviceError(f"Expected all tensors to be on the same device, but found at least two "
                       f"devices, neuron:{traffic.destination()} and {arg.device}! (in {plan.name})")
 
 
-def _is_traced(tensor: torch.Tensor) -> bool:
-    """A trace's tensor (fake, functional): what a trace makes, never a program's data."""
-    return isinstance(tensor, TRACED)
+def _traced_host(arg: torch.Tensor) -> torch.Tensor:
+    """A tracer's tensor on neuron (Dynamo's fake propagation, AOTAutograd's trace: what a traced
+    program makes from no neuron tensor, `torch.full(..., device="neuron")`, the causal mask inside
+    scaled_dot_product_attention's composite) met by a NeuronTensor, as a host tensor: a copy the
+    tracing modes record (a compiled graph's factories make host buffers:
+    compiler/decompose.host_factories)."""
+    return torch.ops.aten._to_copy.default(arg, device=CPU)
 
 
 def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:

@@ -74,15 +74,18 @@ PyTorch's Python and derivatives.yaml for device-type branches); `install` sets 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._decomp import decompositions
 from torch._prims_common import suggest_memory_format
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.nn.attention import SDPBackend
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd, swa_utils
+from torch.utils._python_dispatch import _disable_current_modes
 
-from ..device.tensor import NeuronTensor
+from ..device.tensor import TRACED, NeuronTensor
 from ..errors import DeviceError
 from . import cpu_rnn
 from .executor import run
@@ -123,31 +126,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
     """The SDPBackend CPU's stub picks for host tensors like these; math for anything that is not
-    a plain neuron tensor (a fake tensor while tracing, a tensor on another device: the composite
-    then raises PyTorch's own error)."""
+    on the device (the composite then raises PyTorch's own error)."""
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    if not all(type(t) is NeuronTensor for t in tensors):
+    if not all(_on_device(t) for t in tensors):
         return int(SDPBackend.MATH)
-    hosts = [None if t is None else _host_like(t) for t in (query, key, value, attn_mask)]
-    with _disable_current_modes():  # a trace's fake host tensors: CPU's stub answers for stand-ins alike
-        query, key, value, attn_mask = [None if h is None else _stand_in(h) for h in hosts]
+    traced = any(type(t) is not NeuronTensor or type(t._data) is not torch.Tensor for t in tensors)
+    with _disable_current_modes() if traced else contextlib.nullcontext():
+        query, key, value, attn_mask = [None if t is None else _host_like(t, traced)
+                                        for t in (query, key, value, attn_mask)]
         return aten._fused_sdp_choice.default(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
 
 
-def _stand_in(host: torch.Tensor) -> torch.Tensor:
-    """`host`, or where it is a trace's (fake, functional) a CPU tensor laid out alike: the choice
-    reads sizes, strides, dtype and requires_grad only. Fake tensors have a stub of their own, which
-    answers MATH whatever CPU's would, and a compiled graph then differed from CPU's attention."""
-    if type(host) is torch.Tensor or type(host) is torch.nn.Parameter:
-        return host
-    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype).requires_grad_(host.requires_grad)
+def _on_device(tensor) -> bool:
+    """A neuron tensor, or a tracer's tensor on neuron (device.tensor.TRACED: a mask made in a traced
+    program)."""
+    return type(tensor) is NeuronTensor or isinstance(tensor, TRACED) and tensor.device.type == "neuron"
 
 
-def _host_like(tensor: NeuronTensor) -> torch.Tensor:
+def _host_like(tensor, traced: bool) -> torch.Tensor:
     """The host buffer, requiring grad where the device tensor does (CPU's flash kernel has no
-    gradient for a mask, so a mask that requires one takes the math path)."""
-    return tensor._data.detach().requires_grad_() if tensor.requires_grad else tensor._data
+    gradient for a mask, so a mask that requires one takes the math path). Traced (a fake host
+    buffer while Dynamo propagates shapes, a functional one while AOTAutograd traces, a tracer's
+    own tensor on neuron): a real tensor with its metadata, as a fake tensor's choice is its Meta
+    kernel's, always math, and a compiled model computed other values than CPU's flash kernel.
+    Symbolic sizes are taken at their hints, without a guard: CPU's checks compare sizes with 0
+    and with each other, which a shape-generic trace's sizes (2 and up, equal where they are one
+    symbol) all answer alike."""
+    data = tensor._data if type(tensor) is NeuronTensor else tensor
+    if traced:
+        sizes = [optimization_hint(n, fallback=2) for n in data.shape]
+        strides = [optimization_hint(n, fallback=1) for n in data.stride()]
+        data = torch.empty_strided(sizes, strides, dtype=data.dtype)
+    return data.detach().requires_grad_() if tensor.requires_grad else data
 
 
 def dropout(input, p, train):
