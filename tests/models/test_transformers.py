@@ -195,3 +195,23 @@ def test_a_long_greedy_generation_compiles_its_decode_step_once_for_every_length
     # and each new length's tile programs are evaluated from the site's parametric program (a
     # symbolic layout asked of a launch's concrete resident values raised TypeError, SymInt's hash)
     assert stats.evaluated_sizes >= 10 and not stats.not_parametric, stats.report()
+
+
+GPT2_124M_STEPS = 4  # adaptive mode compiles the step once it has recurred three times
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_full_size_gpt2_training_matches_cpu(mode):
+    """GPT-2 at its published size (GPT2Config()'s defaults: 124M parameters, 50257-token vocabulary,
+    dropout 0.1), batch 2 of 64 tokens, AdamW."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    assert 124e6 < sum(p.numel() for p in model.parameters()) < 125e6
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def loss(model):
+        return model(input_ids=ids.to(model.device), labels=ids.to(model.device), use_cache=False).loss
+    run, reference = train_on_cpu_and_neuron(model, loss, _adamw, mode, GPT2_124M_STEPS)
+    assert_same_training(run, reference, **(BITWISE if mode == "eager" else FLOAT32_TOLERANCE))
+    assert_compiled_if_lazy(mode)
