@@ -249,3 +249,78 @@ def test_dtensor_programs_train_as_on_a_cpu_mesh(dtensor_report, program, mode):
             continue
         eager_step = dtensor_report[rank][program]["eager"]["executed"][-1]
         assert run["compiles"] >= 1 and run["executed"][-1] <= eager_step / 6, run["report"]
+
+
+# -- model-parallel programs as a user writes them, every mode (tests/parallel_programs_worker.py) --
+
+PROGRAMS_WORKER = os.path.join(os.path.dirname(__file__), "parallel_programs_worker.py")
+ALL_MODES = ("eager", "adaptive", "compiled")
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """Each rank's report, from one torchrun launch; the suite's default (no disk cache) applies."""
+    prefix = str(tmp_path_factory.mktemp("programs") / "rank")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(WORLD), PROGRAMS_WORKER, prefix],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return [json.loads(open(f"{prefix}{rank}.json").read()) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def programs_worker():
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import parallel_programs_worker
+    finally:
+        sys.path.pop(0)
+    return parallel_programs_worker
+
+
+def _succeeded(result: dict, what: str) -> dict:
+    assert "ok" in result, f"{what} raised {result['error']}\n{result['traceback']}"
+    return result["ok"]
+
+
+def _assert_compiled(run: dict, mode: str) -> None:
+    if mode == "eager":
+        assert run["compiles"] == 0 and run["ops_compiled"] == 0
+    else:
+        assert run["compiles"] > 0 and run["ops_compiled"] > 0, run
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_two_stage_pipeline_trains_as_on_cpu_through_gloo(programs, programs_worker, mode):
+    """torch.distributed.pipelining: each rank one stage, GPipe over two microbatches (activations
+    and gradients sent point to point), SGD per stage; the reference is the same schedule on CPU
+    tensors through a gloo group. Eager mode is bitwise CPU's."""
+    tolerance = dict(rtol=0, atol=0) if mode == "eager" else dict(rtol=1e-5, atol=1e-6)
+    for rank in range(WORLD):
+        reference = _succeeded(programs[rank]["pipeline_reference"], f"rank {rank}'s CPU pipeline")
+        run = _succeeded(programs[rank]["pipeline"][mode], f"rank {rank}'s pipeline in {mode} mode")
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), **tolerance)
+        assert run["params"].keys() == reference["params"].keys()
+        for name, expected in reference["params"].items():
+            torch.testing.assert_close(torch.tensor(run["params"][name]), torch.tensor(expected), **tolerance,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+        _assert_compiled(run, mode)
+    assert len(programs[1]["pipeline_reference"]["ok"]["losses"]) == programs_worker.STEPS  # the last stage's
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_tensor_parallel_training_with_sgd_matches_the_whole_model_on_cpu(programs, programs_worker, mode):
+    """parallelize_module (ColwiseParallel, RowwiseParallel) on a neuron device mesh, torch.optim.SGD
+    on the DTensor parameters: every rank's losses, and the parameters gathered whole, are those of
+    the unsplit model trained on the CPU."""
+    model = programs_worker.tensor_parallel_model()
+    expected = programs_worker.tp_losses(model, programs_worker.tensor_parallel_data())
+    for rank in range(WORLD):
+        run = _succeeded(programs[rank]["tensor_parallel"][mode], f"rank {rank}'s tensor parallelism in {mode} mode")
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(torch.tensor(run["params"][name]), p.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+        _assert_compiled(run, mode)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy
 import pytest
 import torch
 
@@ -45,8 +46,10 @@ def train(model: torch.nn.Module, step_loss: Callable[[torch.nn.Module], torch.T
           make_optimizer: Callable, steps: int, scheduler: Callable | None = None) -> TrainingRun:
     """Runs `steps` optimizer steps; reading the loss each step ends the step's segment.
 
-    Seeded first, so that dropout draws the same masks on the CPU and on `neuron`."""
+    Seeded first, so that dropout draws the same masks on the CPU and on `neuron` (and numpy the same
+    ones where a model draws them with numpy: wav2vec2's SpecAugment)."""
     torch.manual_seed(1)
+    numpy.random.seed(1)
     optimizer = make_optimizer(model.parameters())
     lr_schedule = scheduler(optimizer) if scheduler else None
     losses = []

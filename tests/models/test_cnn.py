@@ -1,5 +1,6 @@
 """A ResNet-like CNN written by hand (the PyPI torchvision wheel does not load here): trained with
-SGD momentum and a learning-rate schedule, then validated in eval mode, on `neuron` in every mode."""
+SGD momentum and a learning-rate schedule, then validated in eval mode, on `neuron` in every mode;
+and trained channels-last under bf16 autocast."""
 import copy
 
 import pytest
@@ -11,6 +12,7 @@ import tilewise
 from .helpers import MODES, assert_compiled_if_lazy, assert_same_training, train_on_cpu_and_neuron
 
 STEPS = 5
+BF16_TOLERANCE = dict(rtol=1.6e-2, atol=1e-5)  # torch.testing's default for bfloat16
 
 
 class Block(nn.Module):
@@ -113,3 +115,26 @@ def test_eval_mode_forward_with_autograd_on_matches_cpu(mode):
     with tilewise.engine(mode=mode):
         logits = neuron_model(images.to("neuron")).cpu()
     torch.testing.assert_close(logits, expected.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _amp_step_loss():
+    images, labels = _data(torch.channels_last)
+
+    def loss(model):
+        device = next(model.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(images.to(device))
+        return nn.functional.cross_entropy(logits.float(), labels.to(device))
+    return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_channels_last_training_under_bf16_autocast_matches_cpu_autocast(mode):
+    """The channels-last model's forward under torch.autocast(bfloat16) on both devices: for its ops
+    (convolutions and the linear in bf16, batch norm, pooling and ReLU in their input's dtype) the
+    CPU's cast policy is CUDA's, which neuron follows. Eager mode runs CPU's kernels: bitwise."""
+    run, reference = train_on_cpu_and_neuron(_build(torch.channels_last), _amp_step_loss(), _sgd, mode, STEPS,
+                                             scheduler=_schedule)
+    assert_same_training(run, reference, **(dict(rtol=0, atol=0) if mode == "eager" else BF16_TOLERANCE))
+    assert run.model.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert_compiled_if_lazy(mode)

@@ -1,6 +1,6 @@
-"""bf16 training (`model.to(torch.bfloat16)` with LayerNorm) and autocast-to-bf16 training on `neuron`
-against the same on the CPU. Each case runs in a child process (see lowp.py): an abort there is a
-failed test, not the end of the suite."""
+"""bf16 training (`model.to(torch.bfloat16)` with LayerNorm), autocast-to-bf16 training and
+autocast-to-float16 training with a GradScaler on `neuron` against the same on the CPU. Each case
+runs in a child process (see lowp.py): an abort there is a failed test, not the end of the suite."""
 import pytest
 
 from .helpers import assert_isolated_passes, xfail_modes
@@ -27,3 +27,8 @@ def test_bf16_model_with_layer_norm_trains_like_cpu(mode):
 @pytest.mark.parametrize("mode", xfail_modes({}, slow=("adaptive", "compiled")))
 def test_autocast_bf16_training_matches_cpu(mode):
     assert_isolated_passes(_program("autocast", mode))
+
+
+@pytest.mark.parametrize("mode", xfail_modes({}, slow=("adaptive", "compiled")))
+def test_float16_autocast_with_grad_scaler_trains_like_cpu(mode):
+    assert_isolated_passes(_program("float16_grad_scaler", mode))
