@@ -113,3 +113,22 @@ def test_gradient_clipping_and_adamw_over_dtensor_parameters(mesh, mode, options
     for got, expected in zip(params + norms, reference + reference_norms, strict=True):
         assert torch.equal(_host(got), expected)
     _assert_compiled(mode)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_random_init_of_a_sharded_parameter_draws_what_a_cpu_mesh_draws(mesh, mode):
+    """DTensor's RNG tracker took the neuron mesh for one with a counter-based generator and
+    asserted its 16-byte state (the device's is CPU's, 5,056 bytes): AssertionError in
+    torch/distributed/tensor/_random.py."""
+    import warnings
+    cpu_mesh = init_device_mesh("cpu", (1,))
+    drawn = {}
+    for device, on in (("cpu", cpu_mesh), ("neuron", mesh)):
+        torch.manual_seed(5)
+        weight = distribute_tensor(torch.zeros(4, 6, device=device), on, [Shard(0)])
+        with warnings.catch_warnings(), tilewise.engine(mode=mode) if mode else contextlib.nullcontext():
+            warnings.simplefilter("ignore")  # DTensor's notice that CPU meshes have no RNG tracker
+            torch.nn.init.normal_(weight)
+            torch.nn.init.uniform_(weight, -1, 1)
+        drawn[device] = _host(weight)
+    assert torch.equal(drawn["neuron"], drawn["cpu"])

@@ -263,8 +263,9 @@ def install_hooks() -> None:
     if _hooks_installed:
         return
     from ..adaptive.tracer import Tracer
-    from . import functional
+    from . import dtensor_random, functional
 
+    dtensor_random.install()
     fsdp.install(Tracer)
     functional.install(NeuronTensor, Tracer)
     _hooks_installed = True
