@@ -794,3 +794,16 @@ def test_opinfo_sample_native_equals_interpreter_equals_cpu(op, sample):
         pytest.skip(message)
     assert status == cc.PASS, message
     assert message.endswith(("; native", "; no kernel in C")), message
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.relu(x * 1), lambda x: torch.relu(-x), lambda x: torch.clamp_min(x * 1, 0),
+                                lambda x: torch.clamp_max(x * 1, -0.0), lambda x: torch.clamp(x * 1, -1, 0)],
+                         ids=["relu", "relu_of_negation", "clamp_min", "clamp_max", "clamp"])
+def test_clamps_keep_the_sign_of_zero_as_cpu_s_kernels_do(fn):
+    """CPU's clamp kernels keep a value equal to its bound: relu(-0.0) and clamp_min(-0.0, 0) are
+    -0.0 there; the C returned the bound, +0.0."""
+    x = torch.tensor([1.0, -0.0, 0.0, 2.0, -3.0, float("inf"), float("-inf"), float("nan")] * 9)
+    compiled = compiled_native(fn, [x])
+    assert native_calls(compiled) == 1
+    got, want = compiled.run(x.clone())[0], fn(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -26,9 +26,13 @@ PRELUDE = r"""#include <stdint.h>
 #undef __FAST_MATH__
 #define TW_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define TW_ALIGN __attribute__((aligned(64)))
-/* NaN-propagating max/min/relu, as PyTorch's (C's fmax/fmin drop NaN) */
+/* NaN-propagating max/min (reductions), as PyTorch's (C's fmax/fmin drop NaN) */
 #define TW_MAX(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) > (b) ? (a) : (b))
 #define TW_MINV(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) < (b) ? (a) : (b))
+/* clamp's bounds (relu is clamp_min(x, 0)), as CPU's kernels: a value equal to its bound is kept,
+   so -0.0 stays -0.0 against a bound of 0 */
+#define TW_LOW(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) < (b) ? (b) : (a))
+#define TW_HIGH(a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (a) > (b) ? (b) : (a))
 """
 
 
@@ -106,8 +110,8 @@ def _pow(a, exponent):
 
 def _clamp(a, low, high):
     """min(max(a, low), high), NaN propagating; a bound that is None is no bound."""
-    value = a if low == "None" else f"TW_MAX({a}, {low})"
-    return value if high == "None" else f"TW_MINV({value}, {high})"
+    value = a if low == "None" else f"TW_LOW({a}, {low})"
+    return value if high == "None" else f"TW_HIGH({value}, {high})"
 
 
 def _remainder(a, b):
@@ -130,11 +134,11 @@ ELEMENTWISE: dict[str, tuple[str, Callable]] = {
     "reciprocal": (OUT, lambda a: f"(1 / {a})"),
     "rsqrt": (OUT, lambda a: f"(1 / sqrt({a}))"),
     "sigmoid": (OUT, lambda a: f"(1 / (1 + exp(-{a})))"),
-    "relu": (OUT, lambda a: f"TW_MAX({a}, 0)"),
+    "relu": (OUT, lambda a: f"TW_LOW({a}, 0)"),
     "maximum": (OUT, lambda a, b: f"TW_MAX({a}, {b})"),
     "minimum": (OUT, lambda a, b: f"TW_MINV({a}, {b})"),
-    "clamp_min": (OUT, lambda a, b: f"TW_MAX({a}, {b})"),
-    "clamp_max": (OUT, lambda a, b: f"TW_MINV({a}, {b})"),
+    "clamp_min": (OUT, lambda a, b: f"TW_LOW({a}, {b})"),
+    "clamp_max": (OUT, lambda a, b: f"TW_HIGH({a}, {b})"),
     "pow": (OUT, _pow),
     "remainder": (OUT, _remainder),
     "eq": (COMPARE, lambda a, b: f"({a} == {b})"),
