@@ -114,9 +114,9 @@ class RegionCompiler:
         offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
             changes = shapes.changes(site.first, region.key)
-            # a generic region serves its site's every signature; else generalise only for sizes
-            # that change (strides or offsets alone stay static)
-            if site.generic is not None or changes.ints or any(changes.dims):
+            # a generic region serves its site's every signature; else generalise only for sizes,
+            # ints or strides of their own that change (offsets alone stay static)
+            if site.generic is not None or changes.any():
                 return self._other_sizes(segment, region, site, changes, settling)
             # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
             # say, unless a compile of it read the offsets

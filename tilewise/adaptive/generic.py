@@ -65,12 +65,13 @@ class GenericSites:
     def _site(self, segment: Segment, region: Region, before: dict) -> Site | None:
         """The region's site (its key without sizes), made at its first signature: the signature
         its nodes had at their previous size where they had one (so a region whose sizes changed
-        before it formed generalises at once). None for a region that cannot generalise: it
-        writes a storage its inputs share (`Region.shared`), whose views the compiler rebuilds
-        with their sizes compiled in. Inputs that share a storage the region only reads are traced
-        as independent tensors, as at one size (a decode step's ids and their last token)."""
-        if region.shared:
-            return None
+        before it formed generalises at once). None for a region that cannot generalise at this
+        signature: it writes a storage its inputs share (`Region.shared`), whose views the
+        compiler rebuilds with their layouts compiled in, and these differ from the first's. A
+        training step's parameters and their transposes share a storage the optimizer writes, laid
+        out alike whatever the batch holds (a mixture of experts' tokens per expert). Inputs that
+        share a storage the region only reads are traced as independent tensors, as at one size (a
+        decode step's ids and their last token)."""
         key = shapes.generic_key(region.key)
         site = self.generic_sites.get(key)
         if site is None:
@@ -78,6 +79,8 @@ class GenericSites:
             first = key_with(region.key, earlier) if earlier else region.key
             site = Site(first if shapes.generic_key(first) == key else region.key)
             self.generic_sites.put(key, site)
+        if region.shared and shapes.shared_layouts(site.first) != shapes.shared_layouts(region.key):
+            return None
         return site
 
     def _other_sizes(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes, settling: bool):
@@ -135,7 +138,7 @@ class GenericSites:
         try:
             gm = build_graph(segment, region, changes.ints)
             arguments = regions.arguments(segment, region, changes.ints)
-            dynamic = changes.dynamic(len(region.arguments(segment)))
+            dynamic = changes.dynamic(len(region.arguments(segment)), region.shared)
             if compiles_in_background(segment.settings):
                 site.compiling = compile_generic_remotely(gm, arguments, dynamic, DEVICE.spec, name,
                                                           config.specialisation_limit, changes)
@@ -224,7 +227,9 @@ def _admitted(segment: Segment, region: Region, site: Site, changes: shapes.Chan
     """The arguments of the site's generic region on this segment, if it serves this signature."""
     arguments = regions.arguments(segment, region, site.changes.ints)
     # an int the trace kept constant (pow's exponent, a view size that never changed before) must
-    # still be the traced value: the ShapeEnv guards only its inputs
-    if set(changes.ints) <= set(site.changes.ints) and site.generic.admits(arguments):
+    # still be the traced value, and so must the views of a written shared storage: the ShapeEnv
+    # guards only its inputs
+    if set(changes.ints) <= set(site.changes.ints) and site.generic.admits(arguments) and \
+            shapes.shared_layouts(region.key) == shapes.shared_layouts(site.first):
         return arguments
     return None

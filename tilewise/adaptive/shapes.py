@@ -7,13 +7,16 @@ arguments: view and expand sizes, arange ends, a mean's divisor). A node whose g
 fingerprint recurs while its sizes keep changing is as stable as one that repeats exactly.
 
 A region keyed generically is a *site*: the first signature seen there (its exact key), compared
-with a second, tells which input dims and which int arguments change (`changes`). Those become symbolic in
-one shape-generic compile (compiler/symbolic.py); ints that change become region inputs, found
-again in each flush's nodes by their `IntPath`.
+with a second, tells which input dims, which strides and which int arguments change (`changes`).
+Those become symbolic in one shape-generic compile (compiler/symbolic.py); ints that change become
+region inputs, found again in each flush's nodes by their `IntPath`. A stride changes on its own
+where a view steps through a buffer that grows: a batch's last tokens, `ids[:, -1:]`, are a (2, 1)
+view whose row stride is the length so far.
 """
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 import torch
@@ -35,14 +38,20 @@ def generic_sig(sig: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _size_arguments(func) -> tuple[bool, ...]:
     """Per schema argument: whether an int there may be a SymInt (a SymInt, SymInt[] or Scalar
-    argument: a size or a number). Python's schema objects show SymInt as int; the schema's text
+    argument: a size or a number; or a Tensor argument given a number, which PyTorch passes on as
+    the Python int it was: `positions + past_length` is add.Tensor(positions, 11), a decode step
+    later add.Tensor(positions, 12)). Python's schema objects show SymInt as int; the schema's text
     keeps it: `aten::view(Tensor(a) self, SymInt[] size) -> Tensor(a)`."""
     text = str(func._schema)
     inside = text[text.index("(") + 1:text.rindex(") ->")]
     types = [part.split(" ", 1)[0] for part in _top_level(inside) if part != "*"]
     if len(types) != len(func._schema.arguments):  # a schema text we do not read: ints stay exact
         return (False,) * len(func._schema.arguments)
-    return tuple(t.startswith(("SymInt", "Scalar")) and not t.startswith("ScalarType") for t in types)
+    return tuple(t.startswith(("SymInt", "Scalar")) and not t.startswith("ScalarType") or
+                 _ONE_TENSOR.fullmatch(t) is not None for t in types)
+
+
+_ONE_TENSOR = re.compile(r"Tensor(\([a-z!]+\))?\??")  # Tensor, Tensor(a!), Tensor?: not Tensor[]
 
 
 def _top_level(text: str) -> list[str]:
@@ -112,15 +121,35 @@ class IntPath(NamedTuple):
 
 
 def input_sizes(key: tuple) -> tuple[tuple[int, ...], ...]:
-    """Per region input slot, its shape, read from a region key (regions.describe): each node's
-    tensor descriptions come in the order of its inputs, which its sources follow."""
-    sizes: dict[int, tuple[int, ...]] = {}
+    """Per region input slot, its shape, read from a region key (regions.describe)."""
+    return tuple(shape for shape, _ in input_layouts(key))
+
+
+def input_layouts(key: tuple) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Per region input slot, its (shape, stride) read from a region key (regions.describe): each
+    node's tensor descriptions come in the order of its inputs, which its sources follow. A CPU
+    scalar has no stride: ()."""
+    return tuple((tuple(entry[0]), tuple(entry[1])) if is_metadata(entry) else (tuple(entry[2]), ())
+                 for entry in _input_entries(key))
+
+
+def shared_layouts(key: tuple) -> tuple:
+    """The (shape, stride, offset) of each input slot sharing a storage the region writes: a
+    generic compile takes the storage whole and these views of it with their layouts compiled in
+    (regions.build_graph), so it serves only signatures where they are the same."""
+    entries = _input_entries(key)
+    return tuple(tuple(entries[slot][:3] for slot in group) for group, _ in key[3])
+
+
+def _input_entries(key: tuple) -> list:
+    """Per region input slot, its description in the key (tensor metadata or a CPU scalar's)."""
+    entries: dict[int, tuple] = {}
     for _, tail, sources in key[0]:
         described = list(_tensor_entries(tail[0])) + (list(_tensor_entries(tail[2])) if len(tail) > 2 else [])
         for entry, source in zip(described, sources):
             if source[0] == "in":
-                sizes.setdefault(source[1], tuple(entry[0]) if is_metadata(entry) else tuple(entry[2]))
-    return tuple(sizes[slot] for slot in range(len(sizes)))
+                entries.setdefault(source[1], entry)
+    return [entries[slot] for slot in range(len(entries))]
 
 
 def _tensor_entries(descr):
@@ -132,40 +161,77 @@ def _tensor_entries(descr):
 
 
 class Changes(NamedTuple):
-    """What differs between two signatures of one site: the dims per input slot, the ints."""
+    """What differs between two signatures of one site: the dims per input slot, the ints, and the
+    strides per input slot that changed where the sizes do not account for them (`_own_strides`)."""
     dims: tuple[frozenset[int], ...]
     ints: tuple[IntPath, ...]
+    strides: tuple[frozenset[int], ...] = ()
 
     def union(self, other: "Changes") -> "Changes":
         return Changes(tuple(a | b for a, b in zip(self.dims, other.dims)),
-                       tuple(sorted(set(self.ints) | set(other.ints))))
+                       tuple(sorted(set(self.ints) | set(other.ints))),
+                       _union(self.strides, other.strides))
 
     def specialises(self, key: tuple, ints: list[int]) -> bool:
-        """Whether a trace at this signature would fix a symbolic size: PyTorch's ShapeEnv
-        specialises sizes 0 and 1 (broadcasting treats them apart), so a generic region traced at
-        batch size 1 would serve batch size 1 only."""
-        sizes = input_sizes(key)
-        return any(sizes[i][d] < 2 for i, dims in enumerate(self.dims) for d in dims) or any(v < 2 for v in ints)
+        """Whether a trace at this signature would fix a symbolic size or stride: PyTorch's
+        ShapeEnv specialises sizes 0 and 1 (broadcasting treats them apart), so a generic region
+        traced at batch size 1 would serve batch size 1 only."""
+        layouts = input_layouts(key)
+        return any(layouts[i][0][d] < 2 for i, dims in enumerate(self.dims) for d in dims) or \
+            any(layouts[i][1][d] < 2 for i, dims in enumerate(self.strides) for d in dims) or any(v < 2 for v in ints)
 
-    def dynamic(self, arguments: int):
+    def dynamic(self, arguments: int, shared: tuple = ()):
         """The compiler's view (symbolic.Dynamic) of a region taking `arguments` arguments and then
-        the ints: the input slots' symbolic dims (lifted floats: none), one symbolic int per path."""
+        the ints: its unshared input slots' symbolic dims and strides (the slots of `shared`
+        groups enter as whole storages of static size after them, lifted floats last: none),
+        one symbolic int per path."""
         from ..compiler.symbolic import Dynamic  # the compiler layer sits below; imported on first use
-        static = frozenset()
-        return Dynamic(self.dims + (static,) * (arguments - len(self.dims)) + (static,) * len(self.ints))
+        grouped = {slot for group in shared for slot in group}
+        dims = tuple(d for slot, d in enumerate(self.dims) if slot not in grouped)
+        strides = tuple(d for slot, d in enumerate(self.strides) if slot not in grouped)
+        static = (frozenset(),)
+        return Dynamic(dims + static * (arguments - len(dims) + len(self.ints)),
+                       strides + static * (arguments + len(self.ints) - len(strides)) if any(strides) else ())
+
+    def any(self) -> bool:
+        """Whether anything the generic form leaves out changed: a size, an int or a stride."""
+        return bool(self.ints) or any(self.dims) or any(self.strides)
+
+
+def _union(a: tuple, b: tuple) -> tuple:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return tuple(x | y for x, y in zip(longer, shorter + (frozenset(),) * (len(longer) - len(shorter))))
 
 
 def changes(first: tuple, now: tuple) -> Changes:
     """What differs between two region keys of one site (equal without sizes)."""
-    dims = tuple(frozenset(d for d, (x, y) in enumerate(zip(a, b)) if x != y)
-                 for a, b in zip(input_sizes(first), input_sizes(now)))
+    before, after = input_layouts(first), input_layouts(now)
+    dims = tuple(frozenset(d for d, (x, y) in enumerate(zip(a[0], b[0])) if x != y) for a, b in zip(before, after))
+    strides = tuple(_own_strides(a, b) for a, b in zip(before, after))
     ints: list[IntPath] = []
     for position, (mine, theirs) in enumerate(zip(first[0], now[0])):
         tail_a, tail_b = mine[1], theirs[1]
         _diff_ints(tail_a[0], tail_b[0], position, False, (), ints)
         if len(tail_a) > 2:
             _diff_ints(tail_a[2], tail_b[2], position, True, (), ints)
-    return Changes(dims, tuple(ints))
+    return Changes(dims, tuple(ints), strides if any(strides) else ())
+
+
+def _own_strides(first: tuple, now: tuple) -> frozenset[int]:
+    """The dims of one input whose stride changed and is not the extent of another dim in both
+    layouts (`size * stride`, as a contiguous tensor's row stride is its row's length): ShapeEnv
+    infers such a stride from the sizes, symbolic where they are; one of its own is pinned by its
+    guards unless traced symbolic. A dim of size 1 in both is left out: its stride addresses no
+    other element, and the compiler's guards leave it free (symbolic._moves_nothing)."""
+    (shape_a, stride_a), (shape_b, stride_b) = first, now
+    return frozenset(d for d, (x, y) in enumerate(zip(stride_a, stride_b))
+                     if x != y and not (shape_a[d] == 1 and shape_b[d] == 1)
+                     and not (_inferred(first, d) and _inferred(now, d)))
+
+
+def _inferred(layout: tuple, dim: int) -> bool:
+    shape, stride = layout
+    return stride[dim] in {shape[e] * stride[e] for e in range(len(shape)) if e != dim}
 
 
 def _diff_ints(a, b, position: int, keyword: bool, where: tuple, found: list) -> None:

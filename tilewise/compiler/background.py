@@ -102,6 +102,7 @@ class CompileProcess:
             return None
         return self._send({"kind": "generic", "key": key, "name": name, "spec": dataclasses.asdict(spec),
                            "graph": graph_to_json(gm), "dims": [sorted(dims) for dims in dynamic.dims],
+                           "strides": [sorted(dims) for dims in dynamic.strides],
                            "limit": limit}, example_inputs)
 
     def submit_size(self, key: str, inputs, name: str) -> Job | None:

@@ -29,7 +29,7 @@ from .cache import cost_from_json
 from .driver import source_graph
 from .parametric import Made
 from .serialize import launch_from_json, launch_to_json
-from .symbolic import Dynamic, GenericRegion, Specialisation, _size_key
+from .symbolic import Dynamic, GenericRegion, Specialisation, _size_key, strides_text as _strides_text
 
 
 class CompileProcessLost(CompileError):
@@ -153,7 +153,7 @@ class RemoteGeneric(GenericRegion):
 
     def describe(self, made: Specialisation) -> str:
         lines = [f"# {self.name}: shape-generic, compiled in the compile process (symbolic dims per input: "
-                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self.guard_text or 'none'}",
+                 f"{[sorted(d) for d in self.dynamic.dims]}{_strides_text(self.dynamic)}); guards: {self.guard_text or 'none'}",
                  "", f"# at this size ({made.made.value}):"] + ["  " + str(launch) for launch in made.launches]
         if not made.launches:
             lines.append("  # its tile programs stay in the compile process (the size it compiled at shows them)")

@@ -52,8 +52,19 @@ from .region import Region, format_graph
 @dataclass(frozen=True)
 class Dynamic:
     """Which sizes of a region's inputs are symbolic: per input, the dims seen to change (ints
-    among the inputs are always symbolic: they are the int arguments seen to change)."""
+    among the inputs are always symbolic: they are the int arguments seen to change), and the
+    dims whose stride is a symbol of its own (none where `strides` is shorter: ShapeEnv infers a
+    stride from the sizes, or pins it)."""
     dims: tuple[frozenset[int], ...]
+    strides: tuple[frozenset[int], ...] = ()
+
+    def strides_of(self, index: int) -> frozenset[int]:
+        return self.strides[index] if index < len(self.strides) else frozenset()
+
+
+def strides_text(dynamic: Dynamic) -> str:
+    """The symbolic strides per input, for `explain`, where there are any."""
+    return f", symbolic strides per input: {[sorted(d) for d in dynamic.strides]}" if any(dynamic.strides) else ""
 
 
 class Specialisation(NamedTuple):
@@ -79,7 +90,7 @@ class GenericRegion:
                  dynamic: Dynamic, spec: DeviceSpec, compile_seconds: float, limit: int):
         self.name, self.gm, self.dynamic, self.spec = name, gm, dynamic, spec
         self.source = source  # the recorded ops, as the host runs them: any size the guards admit
-        self._symbols = symbols  # (input index, dim or None for an int input, sympy Symbol)
+        self._symbols = symbols  # Symbol per symbol of the trace: where each input holds its value
         self.compile_seconds = compile_seconds
         self.guard_text = guards  # ShapeEnv's Python text of the guards, or None: any size
         # the guard expression compiled once (evaluated at every new signature), or None: any size
@@ -101,7 +112,7 @@ class GenericRegion:
 
     def sizes(self, inputs) -> dict:
         """The value of each symbol of the trace (a sympy Symbol) in these inputs."""
-        return {symbol: inputs[i] if dim is None else inputs[i].shape[dim] for i, dim, symbol in self._symbols}
+        return {s.expr: s.value(inputs) for s in self._symbols}
 
     def run(self, *inputs) -> tuple:
         """The recorded ops on the real buffers, outputs as the symbolic graph's, in place as recorded."""
@@ -173,7 +184,7 @@ class GenericRegion:
     def describe(self, made: Specialisation) -> str:
         """The symbolic graph, its guards, and one size's launches with their cost (`explain`)."""
         lines = [f"# {self.name}: shape-generic (symbolic dims per input: "
-                 f"{[sorted(d) for d in self.dynamic.dims]}); guards: {self.guard_text or 'none'}"]
+                 f"{[sorted(d) for d in self.dynamic.dims]}{strides_text(self.dynamic)}); guards: {self.guard_text or 'none'}"]
         lines += format_graph(self.gm.graph)
         lines += [f"# parametric tile program {i}: {program!r}" for i, program in enumerate(self.programs)]
         if self.not_parametric is not None:
@@ -200,9 +211,12 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     if len(dynamic.dims) != len(example_inputs):
         raise CompileError(f"{name}: {len(dynamic.dims)} dynamic-dim sets for {len(example_inputs)} inputs")
     started = time.perf_counter()
-    shape_env = ShapeEnv()
+    # no duck shaping: an offset or stride that happens to equal another at the example (a
+    # mixture of experts' two index columns, each starting at its expert's token count) is no
+    # equation the region's values need; the trace guards what it relates
+    shape_env = ShapeEnv(duck_shape=False)
     fake_mode = FakeTensorMode(shape_env=shape_env)
-    fakes = [_symbolic(value, dims, i, fake_mode, shape_env)
+    fakes = [_symbolic(value, dims, dynamic.strides_of(i), i, fake_mode, shape_env)
              for i, (value, dims) in enumerate(zip(example_inputs, dynamic.dims))]
     traced = decompose.trace(gm, fakes, "symbolic", name)
     source = source_graph(gm)
@@ -210,10 +224,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     if not reads_offsets(traced, source):
         clauses = [clause for clause in clauses if not _moves_nothing(clause, example_inputs, dynamic)]
     guards = " and ".join(clauses) or None
-    symbols = [(i, dim, size.node.expr) for i, fake in enumerate(fakes)
-               for dim, size in (enumerate(fake.shape) if isinstance(fake, torch.Tensor) else [(None, fake)])
-               if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol)]
-    generic = GenericRegion(name, traced, source, guards, symbols, dynamic, spec, 0.0, limit)
+    generic = GenericRegion(name, traced, source, guards, _symbols_of(fakes), dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
     smoke_run(generic.gm, generic.source, example_inputs, "generic")
@@ -276,12 +287,46 @@ def _evaluate(size, values: dict) -> int:
     return int(size.node.expr.xreplace(values))
 
 
-def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode, shape_env: ShapeEnv):
+class Symbol(NamedTuple):
+    """A symbol of the trace and where an input holds its value: a size (`stride` False) or a
+    stride of dim `dim` of a tensor input, or an int input itself (`dim` None)."""
+    index: int
+    dim: int | None
+    expr: sympy.Symbol
+    stride: bool = False
+
+    def value(self, inputs) -> int:
+        value = inputs[self.index]
+        if self.dim is None:
+            return value
+        return value.stride(self.dim) if self.stride else value.shape[self.dim]
+
+
+def _symbols_of(fakes) -> list[Symbol]:
+    """The symbols the trace's inputs were made with (a stride inferred from sizes is no symbol)."""
+    found: dict = {}
+    for i, fake in enumerate(fakes):
+        if isinstance(fake, torch.Tensor):
+            places = [(d, size, False) for d, size in enumerate(fake.shape)]
+            places += [(d, stride, True) for d, stride in enumerate(fake.stride())]
+        else:
+            places = [(None, fake, False)]
+        for dim, value, stride in places:
+            if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+                found.setdefault(value.node.expr, Symbol(i, dim, value.node.expr, stride))
+    return list(found.values())
+
+
+def _symbolic(value, dims: frozenset[int], strides: frozenset[int], index: int, fake_mode: FakeTensorMode,
+              shape_env: ShapeEnv):
     source = LocalSource(f"t{index}")
     if isinstance(value, torch.Tensor):
         sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(value.dim())]
-        return fake_mode.from_tensor(decompose.normal(value), source=source,
-                                     symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+        # a stride not named is INFER_STRIDE: the extent of an inner dim where it is one, else
+        # static where the sizes are (DUCK where they are not), as ShapeEnv makes it by default
+        own = [DimDynamic.DYNAMIC if d in strides else DimDynamic.INFER_STRIDE for d in range(value.dim())]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes, dynamic_strides=own)
+        return fake_mode.from_tensor(decompose.normal(value), source=source, symbolic_context=context)
     if type(value) is int:
         symbol = shape_env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
         return shape_env.create_symintnode(symbol, hint=value, source=source)
@@ -289,7 +334,9 @@ def _symbolic(value, dims: frozenset[int], index: int, fake_mode: FakeTensorMode
 
 
 def _size_key(inputs) -> tuple:
-    """What a size's tile programs depend on where the guards hold: the inputs' shapes and ints.
-    The guards pin the strides the sizes do not give, and the offsets and size-1 strides they no
-    longer pin are read by nothing (`_moves_nothing`)."""
-    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in inputs)
+    """What a size's tile programs depend on where the guards hold: the inputs' shapes, strides
+    and ints. The guards pin the strides that are neither symbolic nor given by the sizes; the
+    strides of size-1 dims and the offsets they no longer pin are read by nothing
+    (`_moves_nothing`)."""
+    return tuple((tuple(v.shape), tuple(s if n != 1 else None for n, s in zip(v.shape, v.stride())))
+                 if isinstance(v, torch.Tensor) else v for v in inputs)

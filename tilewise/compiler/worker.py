@@ -85,7 +85,8 @@ def generic_request(request: dict) -> bytes:
     from .symbolic import Dynamic, compile_generic
 
     gm, inputs, spec = _region(request)
-    dynamic = Dynamic(tuple(frozenset(dims) for dims in request["dims"]))
+    dynamic = Dynamic(tuple(frozenset(dims) for dims in request["dims"]),
+                      tuple(frozenset(dims) for dims in request["strides"]))
     generic = compile_generic(gm, inputs, dynamic, spec, request["name"], request["limit"])
     GENERICS[request["key"]] = generic
     made, _ = generic.specialise(inputs)
