@@ -260,14 +260,15 @@ ALL_MODES = ("eager", "adaptive", "compiled")
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
     """Each rank's report, from one torchrun launch; the suite's default (no disk cache) applies."""
-    prefix = str(tmp_path_factory.mktemp("programs") / "rank")
+    out = tmp_path_factory.mktemp("programs")
+    prefix = str(out / "rank")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(WORLD), PROGRAMS_WORKER, prefix],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return [json.loads(open(f"{prefix}{rank}.json").read()) for rank in range(WORLD)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
