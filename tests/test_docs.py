@@ -37,8 +37,8 @@ def test_readme_usage_snippet_runs_and_prints_what_it_claims(tmp_path):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for name in ("TILEWISE_THRESHOLD", "TILEWISE_BACKGROUND_COMPILE"):
         env.pop(name, None)
-    process = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path,
-                             env=env, timeout=300)
+    process = subprocess.run([sys.executable, "-c", snippet], stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, cwd=tmp_path, env=env, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
     losses = re.findall(r"^loss (\d+\.\d{4})$", process.stdout, re.M)
     assert len(losses) == 8, process.stdout  # "It prints eight losses"
