@@ -7,9 +7,11 @@ The configuration is the debug model's (`llama3_debugmodel()`, its AdamW, warm-u
 activation checkpointing) with: seed 42 and deterministic algorithms (torchtitan's
 `debug.deterministic`), 10 steps, local batch 2, sequence 128, no checkpointing, validation or
 profiling, the tokenizer and c4_test-like dataset of `make_assets` (no network), FSDP2 over the ranks
-(`data_parallel_shard_degree=-1`) or tensor parallelism of degree `--tp`. titan_adapters.apply(device)
+(`data_parallel_shard_degree=-1`) or tensor parallelism of degree `--tp`, on more than one process
+with torchtitan's `partial_dtensor` SPMD backend (its default, spmd_types, needs a newer
+fully_shard than torch 2.13's). titan_adapters.apply(device)
 runs first, the same adapters for both devices (dense causal SDPA for flex attention, the
-set_timeout shim; the CPU run also makes torchtitan's device "cpu" and its backend gloo).
+set_timeout shim, FSDP2's reduce-scatter as a plain sum; the CPU run also makes torchtitan's device "cpu" and its backend gloo).
 
 Mode: TILEWISE_MODE (tilewise's config) picks eager, adaptive or compiled. Eager runs the Trainer as is
 (the device runs op by op). For adaptive and compiled, `Trainer.train` runs inside one
@@ -61,6 +63,11 @@ def trainer_config(args: argparse.Namespace, dump_folder: str):
     config.debug.seed = SEED
     config.debug.deterministic = True
     config.parallelism.tensor_parallel_degree = args.tp
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchtitan's default, spmd_types, hands torch 2.13's fully_shard `dp_mesh_dims` with plain
+        # parameters, which it refuses ("all parameters must be DTensors on the full SPMD mesh");
+        # partial_dtensor is the classic path: DTensor for TP, FSDP2 over the data-parallel mesh.
+        config.parallelism.spmd_backend = "partial_dtensor"
     config.dump_folder = dump_folder
     titan_adapters.dense_causal_attention(config.model_spec.model)
     return config
@@ -108,6 +115,7 @@ def main() -> None:
     dump_folder = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"dump-{args.device}")
     config = trainer_config(args, dump_folder)
     trainer = config.build()
+    titan_adapters.sum_reduction_for_gloo(trainer.model_parts)
     seen = record_metrics(trainer)
     start = time.perf_counter()
     try:

@@ -7,6 +7,8 @@ the neuron run (tilewise adds nothing of its own here):
 - `torch.distributed.set_timeout`, which torchtitan calls after the first step and torch 2.13
   lacks: the shim sets the group's default timeout where the group has one, else does nothing (the
   timeout only shortens the wait for a hung peer);
+- FSDP2's gradient reduce-scatter as a plain sum (`sum_reduction_for_gloo`): gloo has no
+  PREMUL_SUM;
 - for the CPU run only: torchtitan picks its device as the first available accelerator, falling
   back to "cuda"; with none, it is made "cpu", with a stand-in for torch.cpu as its device module
   (the memory queries torchtitan's metrics read, zeros on a CPU; an integer current_device). The neuron run needs
@@ -91,3 +93,16 @@ def dense_causal_attention(model_config) -> None:
 
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def sum_reduction_for_gloo(model_parts) -> None:
+    """FSDP2 reduce-scatters gradients with ReduceOp.PREMUL_SUM(1 / factor) for the divide factor
+    torchtitan sets (1.0: its loss is already divided by the global token count), which gloo refuses
+    ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); a plain SUM divided by the factor afterwards is
+    the same values (x * 1.0 == x / 1.0 == x). Applied to both runs, after the Trainer is built."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
