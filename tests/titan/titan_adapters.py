@@ -11,8 +11,8 @@ the neuron run (tilewise adds nothing of its own here):
   PREMUL_SUM;
 - for the CPU run only: torchtitan picks its device as the first available accelerator, falling
   back to "cuda"; with none, it is made "cpu", with a stand-in for torch.cpu as its device module
-  (the memory queries torchtitan's metrics read, zeros on a CPU; an integer current_device). The neuron run needs
-  none of this: `import tilewise` makes `neuron` the available accelerator and its process-group
+  (the memory queries torchtitan's metrics read, zeros on a CPU; an integer current_device).
+  The neuron run needs none of this: `import tilewise` makes `neuron` the available accelerator and its process-group
   backend `neuron`.
 
 `apply(device)` must run before torchtitan is imported.
