@@ -5,6 +5,10 @@ each trained in every engine mode on the "neuron" backend. Writes what it saw as
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/parallel_programs_worker.py OUT_PREFIX
 
+With `shared_cache` after OUT_PREFIX, one rank of tests/test_shared_cache.py instead: the
+tensor-parallel MLP in the mode TILEWISE_MODE names, whose regions hold DTensor's functional
+collectives and read their pending results; it writes its losses and the compile cache's counters.
+
 The pipeline's reference is the same schedule on CPU tensors through a gloo group, in these same
 processes; the tensor-parallel program's is the unsplit model on the CPU, computed by the test.
 Each program is run in its own try block: a failure in one mode is reported (type, message,
@@ -79,15 +83,19 @@ def tensor_parallel_data() -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
 
 
-def tp_losses(model, x, steps: int = STEPS) -> list[float]:
+def tp_losses(model, x, steps: int = STEPS, built_after: int | None = None) -> list[float]:
+    """SGD steps; after step `built_after` the regions' C is waited for (built, or loaded from the
+    compile cache), so the steps after it run it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         loss = model(x).pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if step == built_after:
+            tilewise.wait_for_compiles()
     return losses
 
 
@@ -107,6 +115,29 @@ def tensor_parallel_training(mode: str) -> dict:
         params = {name: p.full_tensor().cpu().tolist() for name, p in model.named_parameters()}
     stats = tilewise.stats()
     return {"losses": losses, "params": params, "compiles": stats.compiles, "ops_compiled": stats.ops_compiled}
+
+
+SHARED_CACHE_STEPS, BUILT_AFTER = 6, 3
+
+
+def shared_cache_run(prefix: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tilewise.compiler import cache, native
+
+    dist.init_process_group("neuron")
+    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
+    model = parallelize_module(tensor_parallel_model().to("neuron"), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = tensor_parallel_data().to("neuron")
+    with tilewise.engine():
+        losses = tp_losses(model, x, SHARED_CACHE_STEPS, BUILT_AFTER)
+    counters = {name: getattr(cache.stats, name) for name in
+                ("compiles", "disk_hits", "disk_writes", "corrupt", "unstorable", "native_disk_hits")}
+    with open(f"{prefix}{dist.get_rank()}.json", "w") as out:
+        json.dump({"losses": losses, "cache": counters, "libraries": len(native._libraries)}, out)
+    dist.destroy_process_group()
 
 
 def _attempt(program, *args) -> dict:
@@ -133,5 +164,8 @@ def main(prefix: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["shared_cache"]:
+        shared_cache_run(sys.argv[1])
+    else:
+        main(sys.argv[1])
     sys.exit(0)

@@ -333,10 +333,9 @@ def test_a_fresh_interpreter_compile_process_starts_none_of_its_own(monkeypatch)
             child.kill()
 
 
-def test_a_daemonic_process_starts_none_at_import_and_a_fresh_interpreter_when_a_block_needs_one(tmp_path):
+def test_a_daemonic_process_starts_none_at_import_and_one_when_a_block_needs_it(tmp_path):
     """A DataLoader worker (daemonic) imports tilewise without a compile process; a daemonic process
-    running an adaptive block (benchmarks/run.py's contenders) gets one it can have: multiprocessing
-    lets no daemonic process fork children of its own."""
+    running an adaptive block (benchmarks/run.py's contenders) gets one when a block needs it."""
     script = textwrap.dedent("""
         import multiprocessing, torch
 

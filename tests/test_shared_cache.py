@@ -16,7 +16,7 @@ from tilewise.compiler import native
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "tensor_parallel_worker.py")
+WORKER = os.path.join(HERE, "parallel_programs_worker.py")
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
@@ -27,7 +27,7 @@ def launch(out, tag: str, cache_dir, key_file) -> subprocess.Popen:
                TILEWISE_CACHE_KEY_FILE=str(key_file), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, HERE, os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", WORKER, str(out / f"{tag}-rank")],
+                             "--nproc-per-node", "2", WORKER, str(out / f"{tag}-rank"), "shared_cache"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -42,12 +42,11 @@ def finished(proc: subprocess.Popen, out, tag: str) -> list[dict]:
 def expected_losses():
     sys.path.insert(0, HERE)
     try:
-        import tensor_parallel_worker as worker
+        import parallel_programs_worker as worker
     finally:
         sys.path.pop(0)
-    model = worker.mlp()
-    torch.manual_seed(1)
-    return worker.train(model, torch.randn(4, 16))
+    return worker.tp_losses(worker.tensor_parallel_model(), worker.tensor_parallel_data(), worker.SHARED_CACHE_STEPS,
+                            worker.BUILT_AFTER)
 
 
 def test_tensor_parallel_runs_again_and_again_in_one_cache_and_four_processes_at_once(tmp_path, expected_losses):

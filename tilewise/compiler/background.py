@@ -18,12 +18,13 @@ import itertools
 import json
 import operator
 import os
-import multiprocessing
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import BinaryIO, Callable, NamedTuple
 
 import torch
@@ -171,8 +172,7 @@ class CompileProcess:
                     pass
 
     def _spawn(self) -> None:
-        # a daemonic process (a DataLoader worker) may not fork children of multiprocessing's
-        forkable = threading.active_count() == 1 and hasattr(os, "fork") and not multiprocessing.current_process().daemon
+        forkable = threading.active_count() == 1 and hasattr(os, "fork")
         try:
             self._child = _fork() if forkable else _run()
         except Exception as error:  # whatever it is, the program goes on compiling here
@@ -268,24 +268,74 @@ def _fork() -> _Child:
     start within a second or two, not after the seconds a fresh interpreter takes to import them).
     Only from a process with no other Python thread (as at `import tilewise`): a fork copies no
     thread, and a lock another thread held would stay held in the child. Native threads are
-    PyTorch's intra-op pool, which the child does not use (one thread), as DataLoader workers do."""
+    PyTorch's intra-op pool, which the child does not use (one thread), as DataLoader workers do.
+
+    A bare fork, not a multiprocessing.Process: multiprocessing lists its processes in a table that
+    forks of the program inherit, and a fork's exit handler terminates the daemonic ones listed (it
+    would kill this compile process when a forked child of the program calls sys.exit)."""
     requests_read, requests_write = os.pipe()
     replies_read, replies_write = os.pipe()
-    context = multiprocessing.get_context("fork")
-    process = context.Process(target=serve_fork, args=(requests_read, replies_write, (requests_write, replies_read)),
-                              name="tilewise-compile", daemon=True)
     for stream in (sys.stdout, sys.stderr):  # or the child would print their buffered text again
         stream.flush()
-    process.start()
+    pid = os.fork()
+    if pid == 0:
+        _serve_forked(requests_read, replies_write, (requests_write, replies_read))
     os.close(requests_read)
     os.close(replies_write)
+    waiter = _Waiter(pid)
+    return _Child(pid, os.fdopen(requests_write, "wb", buffering=0), os.fdopen(replies_read, "rb", buffering=0),
+                  waiter.wait, waiter.kill)
 
-    def wait(timeout):
-        process.join(timeout)
-        return process.exitcode
 
-    return _Child(process.pid, os.fdopen(requests_write, "wb", buffering=0), os.fdopen(replies_read, "rb", buffering=0),
-                  wait, process.kill)
+def _serve_forked(requests: int, replies: int, parents: tuple[int, ...]) -> None:
+    """The forked compile process's whole life: it never returns into the program's code, and
+    runs none of the program's exit handlers (they are the parent's)."""
+    code = 1
+    try:
+        serve_fork(requests, replies, parents)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+class _Waiter:
+    """Exit code and kill of a process this one forked itself, for any thread (the reply thread
+    and close() both wait): one waitpid at a time, so exactly one of them reaps it."""
+    REAPED_ELSEWHERE = -1  # the code when the program reaped it (os.wait(), SIGCHLD ignored)
+
+    def __init__(self, pid: int):
+        self.pid, self.code = pid, None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._poll()
+                if self.code is not None:
+                    return self.code
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        with self._lock:
+            self._poll()
+            if self.code is None:  # not reaped, so the pid is still this process's
+                os.kill(self.pid, signal.SIGKILL)
+
+    def _poll(self) -> None:
+        if self.code is not None:
+            return
+        try:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.code = self.REAPED_ELSEWHERE
+            return
+        if done:
+            self.code = os.waitstatus_to_exitcode(status)
 
 
 def _run() -> _Child:

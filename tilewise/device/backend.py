@@ -20,9 +20,23 @@ def register() -> None:
     current = torch._C._get_privateuse1_backend_name()
     if current not in ("privateuseone", "neuron"):
         raise RuntimeError(f"PrivateUse1 is already registered as {current!r}; tilewise needs it for 'neuron'")
+    _start_autograd_without_device_threads()
     _setup_privateuseone_for_python_backend("neuron" if current != "neuron" else None,
                                             backend_module=neuron_module)
     sys.modules["torch.neuron"] = neuron_module
+
+
+def _start_autograd_without_device_threads() -> None:
+    """The autograd engine starts its device threads once, at a process's first backward, one per
+    device index the registered device guards report, and from then on marks every fork of the
+    process as unable to run backward. The guard registered below reports one neuron device
+    whether or not a neuron tensor exists, so a CPU-only program's forked children could not run
+    backward once tilewise was imported. A backward before the guard exists lets the engine count
+    only the devices PyTorch itself has; neuron's backward needs no device thread (it runs on the
+    calling thread: backward_on_calling_thread)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros((), requires_grad=True)
+        torch.autograd.grad(leaf * 2.0, leaf)
 
 
 def backward_on_calling_thread(device) -> None:
