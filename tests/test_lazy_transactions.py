@@ -204,6 +204,30 @@ def test_bounded_caches_forget_the_least_recently_used():
     assert cache.count("n") == 1 and cache.count("n") == 2
 
 
+def test_the_engine_memory_reports_and_forgets_every_cache_it_holds():
+    from tilewise.adaptive.caches import BoundedCache
+    from tilewise.adaptive.memory import EngineMemory
+
+    memory = EngineMemory()
+    caches = {name: value for name, value in vars(memory).items() if isinstance(value, BoundedCache)}
+    assert list(memory.cache_info()) == list(caches) and len(caches) == 15
+    with tilewise.config.patch(signature_cache_size=1, region_cache_size=1):
+        for cache in caches.values():
+            cache.put("a", 1)
+            cache.put("b", 2)  # evicts "a"
+        assert all(info == (1, 1, 1) for info in memory.cache_info().values()), memory.cache_info()
+    memory.reset()
+    assert all(getattr(memory, name) is not cache and not getattr(memory, name) for name, cache in caches.items())
+    assert all(info.entries == 0 and info.evictions == 0 for info in memory.cache_info().values())
+    x = torch.randn(4).to("neuron")
+    with tilewise.engine(mode="adaptive", threshold=1):
+        for _ in range(3):
+            (x * 2).sum().item()
+    assert tilewise.stats().to_dict()["caches"] == {
+        name: info._asdict() for name, info in RUNTIME.memory.cache_info().items()}
+    assert RUNTIME.memory.cache_info()["regions"].entries >= 1
+
+
 def test_an_engine_object_can_be_entered_again_and_nested():
     block = tilewise.engine(mode="adaptive", threshold=1)
     x_cpu = torch.randn(4)

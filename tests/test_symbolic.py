@@ -354,7 +354,7 @@ def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():
     assert stats.ops_compiled > 0
     reasons = {reason for _, reason in stats.fallbacks}
     assert Why.ZERO_ONE_SIZE.value in reasons, stats.report()
-    assert RUNTIME.regions.size().entries > 0
+    assert RUNTIME.memory.regions.size().entries > 0
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])

@@ -4,8 +4,8 @@ what the policy decides; the compiler called on a thread of its own, or handed t
 compile in the compile process (background compiles) and the result taken in at a later flush; a
 compiled region cached under its key and told to the statistics and the events. A region the
 compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
-`Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `regions`
-cache, statistics and events, and GenericSites' `_count_compile`.
+`Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `memory`
+(memory.py), statistics and events, and GenericSites' `_count_compile`.
 """
 from __future__ import annotations
 
@@ -91,22 +91,22 @@ class RegionCompiler:
         """The compiled region for this region, compiled now if the policy says so; None: run
         its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
         `before`: node index -> the signature it had at its previous size."""
-        entry = self.regions.get(region.key)
+        entry = self.memory.regions.get(region.key)
         if entry is FAILED:
             return None
         if type(entry) is Compiling:
             return self._when_compiled(segment, region, entry)
         if entry is not None:
-            self.regions.touch(region.key)
+            self.memory.regions.touch(region.key)
             return entry
         loose = without_offsets(region.key)
-        elsewhere = self.offset_free.get(loose)
+        elsewhere = self.memory.offset_free.get(loose)
         if elsewhere is FAILED:
             return None
         if type(elsewhere) is Compiling:
             return self._when_compiled(segment, region, elsewhere)
         if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
-            self.offset_free.touch(loose)
+            self.memory.offset_free.touch(loose)
             return elsewhere
         if mixes_dtypes_on_shared_storage(segment, region):
             return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
@@ -122,9 +122,9 @@ class RegionCompiler:
             # say, unless a compile of it read the offsets
             offsets_only = elsewhere is None and without_offsets(site.first) == loose
         site_ops = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.sites.get(site_ops, 0) + 1
+        signatures = self.memory.sites.get(site_ops, 0) + 1
         mode = segment.settings.mode
-        sightings = self.sightings.count(loose if offsets_only else region.key)
+        sightings = self.memory.sightings.count(loose if offsets_only else region.key)
         decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
                                   sizes_change and not offsets_only)
         if decision.verdict is Verdict.WAIT:
@@ -132,7 +132,7 @@ class RegionCompiler:
             return None
         self.stats.cache_misses += 1
         if mode is Mode.COMPILED:
-            self.sites.put(site_ops, signatures)
+            self.memory.sites.put(site_ops, signatures)
             self.stats.recompiles += signatures > 1
         if decision.verdict is Verdict.EAGER:
             self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
@@ -140,8 +140,8 @@ class RegionCompiler:
         return self._compile(segment, region, site)
 
     def _give_up(self, region: Region, reason: Reason) -> None:
-        self.regions.put(region.key, FAILED)
-        self.offset_free.put(without_offsets(region.key), FAILED)  # at other offsets it fails alike
+        self.memory.regions.put(region.key, FAILED)
+        self.memory.offset_free.put(without_offsets(region.key), FAILED)  # at other offsets it fails alike
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region, site):
@@ -149,7 +149,7 @@ class RegionCompiler:
         `site`: its generic.Site, if it has one, which counts the compile."""
         from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
 
-        in_flight = sum(1 for entry in self.regions.values() if type(entry) is Compiling)
+        in_flight = sum(1 for entry in self.memory.regions.values() if type(entry) is Compiling)
         name = f"region{len(self.stats.regions) + in_flight + 1}"
         started = time.perf_counter()
         passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
@@ -166,8 +166,8 @@ class RegionCompiler:
             return self._give_up(region, compile_failure(error))
         if isinstance(compiled, background.Job):
             compiling = Compiling(compiled, gm, site)
-            self.regions.put(region.key, compiling)
-            self.offset_free.put(without_offsets(region.key), compiling)  # a region at other offsets waits for it
+            self.memory.regions.put(region.key, compiling)
+            self.memory.offset_free.put(without_offsets(region.key), compiling)  # a region at other offsets waits for it
             self.stats.background_compiles += 1
             self.stats.compiling_ops += len(region.nodes)
             return None
@@ -182,7 +182,7 @@ class RegionCompiler:
             self.stats.compiling_ops += len(region.nodes)
             return None
         if job.lost is not None:  # the compile process failed (it warned): compile here instead
-            self.regions.pop(region.key, None)  # absent where the region came at another offset
+            self.memory.regions.pop(region.key, None)  # absent where the region came at another offset
             return self._compile(segment, region, compiling.site)
         DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
                              ops=len(region.nodes), seconds_compiling=job.seconds)
@@ -202,7 +202,7 @@ class RegionCompiler:
         DEVICE.timeline.host("compilation", compiled.name, started, seconds, ops=len(region.nodes))
         entry = CompiledEntry(compiled, region, seconds, compiled.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
-        self.regions.put(region.key, entry)
+        self.memory.regions.put(region.key, entry)
         self._serve_other_offsets(region, entry, reads_offsets(compiled.source, compiled.gm))
         self.events.publish(events.RegionCompiled(
             compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
@@ -217,11 +217,11 @@ class RegionCompiler:
         offsets. Keys still waiting for the compile it came from (a background compile, taken in at
         another offset than it was asked for) get the entry too: none compiles it again."""
         loose = without_offsets(region.key)
-        waiting = self.offset_free.get(loose)
+        waiting = self.memory.offset_free.get(loose)
         if type(waiting) is Compiling:
-            for key in [key for key, value in self.regions.items() if value is waiting]:
-                self.regions[key] = entry
-        self.offset_free.put(loose, READS_OFFSETS if reads else entry)
+            for key in [key for key, value in self.memory.regions.items() if value is waiting]:
+                self.memory.regions[key] = entry
+        self.memory.offset_free.put(loose, READS_OFFSETS if reads else entry)
 
     @staticmethod
     def in_compiler_thread(compile_fn, *args, **kwargs):

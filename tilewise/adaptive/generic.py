@@ -41,9 +41,9 @@ class GenericSites:
     def _stable_without_sizes(self, nodes, stable: set[int], threshold: int) -> tuple[set[int], dict]:
         """Nodes not stable whose shape-free fingerprint has been seen in `threshold` flushes, and
         per node the signature its shape-free fingerprint had last time, where that differs."""
-        generic = shapes.generic_fps(nodes, self.generic_sigs)
+        generic = shapes.generic_fps(nodes, self.memory.generic_sigs)
         for fp in set(generic):
-            self.seen_generic.count(fp)
+            self.memory.seen_generic.count(fp)
         before = {}
         occurrences: collections.Counter = collections.Counter()
         for i, fp in enumerate(generic):
@@ -51,11 +51,11 @@ class GenericSites:
             # their sizes (each layer's weight transposed) are as many places, not one
             place = (fp, occurrences[fp])
             occurrences[fp] += 1
-            last = self.last_sigs.get(place)
+            last = self.memory.last_sigs.get(place)
             if last is not None and last != nodes[i].sig:
                 before[i] = last
-            self.last_sigs.put(place, nodes[i].sig)
-        return {i for i, fp in enumerate(generic) if i not in stable and self.seen_generic.get(fp, 0) >= threshold}, before
+            self.memory.last_sigs.put(place, nodes[i].sig)
+        return {i for i, fp in enumerate(generic) if i not in stable and self.memory.seen_generic.get(fp, 0) >= threshold}, before
 
     def _count_compile(self, site: Site, name: str) -> None:
         site.compiles += 1
@@ -73,12 +73,12 @@ class GenericSites:
         share a storage the region only reads are traced as independent tensors, as at one size (a
         decode step's ids and their last token)."""
         key = shapes.generic_key(region.key)
-        site = self.generic_sites.get(key)
+        site = self.memory.generic_sites.get(key)
         if site is None:
             earlier = {p: before[n] for p, n in enumerate(region.nodes) if n in before}
             first = key_with(region.key, earlier) if earlier else region.key
             site = Site(first if shapes.generic_key(first) == key else region.key)
-            self.generic_sites.put(key, site)
+            self.memory.generic_sites.put(key, site)
         if region.shared and shapes.shared_layouts(site.first) != shapes.shared_layouts(region.key):
             return None
         return site
@@ -116,13 +116,13 @@ class GenericSites:
         """A region of a plan reused at other sizes (plans.py): its entry if one was compiled for
         its key, else its site's generic region if the guards admit it; None where the region needs
         what only a full analysis decides (a compile, a wait, a site without a generic region)."""
-        entry = self.regions.get(region.key)
+        entry = self.memory.regions.get(region.key)
         if isinstance(entry, CompiledEntry):
-            self.regions.touch(region.key)
+            self.memory.regions.touch(region.key)
             return entry
         if entry is not None:  # failed, or compiling
             return None
-        site = self.generic_sites.get(shapes.generic_key(region.key))
+        site = self.memory.generic_sites.get(shapes.generic_key(region.key))
         if site is None or site.generic is None:
             return None
         arguments = _admitted(segment, region, site, shapes.changes(site.first, region.key))
@@ -219,7 +219,7 @@ class GenericSites:
             return self._give_up(region, Reason(Why.GENERIC_LAYOUT, f"{recorded} != {made.outputs}"[:100]))
         entry = CompiledEntry(Sized(site.generic, made), region, 0.0, site.generic.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})), site.changes.ints)
-        self.regions.put(region.key, entry)
+        self.memory.regions.put(region.key, entry)
         return entry
 
 

@@ -6,9 +6,9 @@ the plan of the same ops at other sizes: its steps without sizes (which nodes ru
 which order), each region described again at the new sizes and served as a full analysis would
 serve it (its compiled entry, or its site's shape-generic region), or else analysed afresh.
 
-The Runtime mixes this in; it provides `plans`, `dynamic_plans`, `size_free_plans`, `regions`,
-`generic_sigs`, `seen`, `stats`, `events`, `_plan` (analyse a segment), `_count_dynamic` and
-`_served_at_other_sizes`.
+The Runtime mixes this in; it provides `memory` (memory.py: `plans`, `dynamic_plans`,
+`size_free_plans`, `regions`, `generic_sigs`, `seen`), `stats`, `events`, `_plan` (analyse a
+segment), `_count_dynamic` and `_served_at_other_sizes`.
 """
 from __future__ import annotations
 
@@ -38,19 +38,19 @@ class CachedPlans:
         # hashes in Python) cost milliseconds a flush on TinyGPT's step. Equal signatures give
         # equal fingerprints; a plan serves only the signatures it was made for.
         plan_key = (tuple([n.fp for n in segment.nodes]), alias)
-        plan = self.plans.get(plan_key)
-        cache, key = self.plans, plan_key
+        plan = self.memory.plans.get(plan_key)
+        cache, key = self.memory.plans, plan_key
         steps = plan.steps if plan is not None and plan.sigs == locals_ else None
         if steps is None:
             # whether each node's floats are lifted: a plan made while a node's floats were
             # constants (eager, as they changed) must not serve it once they enter as tensors
             key = (tuple((without_floats(n.sig), n.lifts is not None) if n.floats else n.sig for n in segment.nodes), alias)
-            cache, steps = self.dynamic_plans, self._dynamic_plan(key, locals_)
+            cache, steps = self.memory.dynamic_plans, self._dynamic_plan(key, locals_)
         if steps is not None:
             missed = self._guard_miss(segment, steps)
             if missed is None:
                 cache.touch(key)
-                dynamic = cache is self.dynamic_plans
+                dynamic = cache is self.memory.dynamic_plans
                 if dynamic:
                     self._count_dynamic_steps(segment, steps)
                 if self.events.wants(events.SegmentRan):
@@ -60,35 +60,35 @@ class CachedPlans:
             return every_node(segment)
         steps = self._plan_at_other_sizes(segment, alias)
         if steps is not None:
-            self.plans.put(plan_key, Plan(steps, locals_))
+            self.memory.plans.put(plan_key, Plan(steps, locals_))
             self.stats.plans_at_other_sizes += 1
             if self.events.wants(events.SegmentRan):
                 self.events.publish(events.replay_event(self.stats.segments, segment, steps, False))
             return steps
         steps, final, reusable = self._plan(segment)
         if final:
-            self.plans.put(plan_key, Plan(steps, locals_))
+            self.memory.plans.put(plan_key, Plan(steps, locals_))
             if any(isinstance(step, RegionStep) for step in steps):
-                self.size_free_plans.put(self._size_free_key(segment, alias), tuple(
+                self.memory.size_free_plans.put(self._size_free_key(segment, alias), tuple(
                     tuple(step.region.nodes) if isinstance(step, RegionStep) else step for step in steps))
         elif reusable:
             # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
             # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
             members = tuple(n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes)
-            self.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
+            self.memory.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
         return steps
 
     def _size_free_key(self, segment: Segment, alias: tuple) -> tuple:
         """The segment without sizes: its nodes' shape-free fingerprints (ops, ranks, dtypes, layout
         patterns, where each input comes from) and which external each reads."""
-        return tuple(shapes.generic_fps(segment.nodes, self.generic_sigs)), alias
+        return tuple(shapes.generic_fps(segment.nodes, self.memory.generic_sigs)), alias
 
     def _plan_at_other_sizes(self, segment: Segment, alias: tuple) -> list | None:
         """The steps of a final plan made for these ops at other sizes, its regions described at
         this segment's sizes and each served by an entry compiled for it or by its site's generic
         region; None if there is no such plan or a region needs a full analysis."""
         key = self._size_free_key(segment, alias)
-        groups = self.size_free_plans.get(key)
+        groups = self.memory.size_free_plans.get(key)
         if groups is None:
             return None
         needed = needed_values(segment, [group for group in groups if type(group) is tuple])
@@ -102,11 +102,11 @@ class CachedPlans:
             if entry is None:
                 return None
             steps.append(RegionStep(region, entry))
-        self.size_free_plans.touch(key)
+        self.memory.size_free_plans.touch(key)
         return steps
 
     def _dynamic_plan(self, key, locals_):
-        cached = self.dynamic_plans.get(key)
+        cached = self.memory.dynamic_plans.get(key)
         if cached is None:
             return None
         steps, members, member_locals = cached
@@ -132,9 +132,9 @@ class CachedPlans:
         for step in steps:
             if isinstance(step, RegionStep):
                 region, entry = step.region, step.entry
-                self.regions.pop(region.key, None)
+                self.memory.regions.pop(region.key, None)
                 detail = self.stats.regions.get(entry.name)  # gone after a stats().reset()
                 if detail is not None:
                     detail.misses += 1
                 for n in region.nodes:
-                    self.seen.pop(segment.nodes[n].fp, None)
+                    self.memory.seen.pop(segment.nodes[n].fp, None)

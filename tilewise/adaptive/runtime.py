@@ -28,7 +28,7 @@ from ..eager.executor import INDEXING, check_device, execute, indices_on_device,
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
 from . import analysis, events, interrupts, scalars
-from .caches import BoundedCache, CacheSize
+from .memory import EngineMemory
 from .analysis import NodeStep
 from .regions import RegionStep, describe, needed_values
 from .policy import (Mode, Reason, Settings, Why, copies_to_host, draws_random, runs_now, shape_reads_data,
@@ -78,47 +78,17 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
+        self.memory = EngineMemory()  # every cache the engine consults
         self.reset_caches()
-        self.stats.cache_sizes = self.cache_sizes
+        self.stats.cache_sizes = self.memory.cache_info
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
         DEVICE.touch_checks.append(self.touches)
 
     def reset_caches(self) -> None:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
         self.flush("caches reset")
-        def signatures():
-            return config.signature_cache_size
-
-        def regions():
-            return config.region_cache_size
-
-        self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
-        self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
-        self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
-        self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> plans.Plan
-        # plans of segments whose eager nodes change constants every flush, keyed without floats
-        self.dynamic_plans = BoundedCache(regions)
-        # (shape-free fingerprints, aliasing) -> a final plan's steps, regions as their node indices
-        self.size_free_plans = BoundedCache(regions)
-        self.regions = BoundedCache(regions)
-        # region key without offsets -> its compile where its graphs read no offset (any offset's
-        # region runs it), READS_OFFSETS where they do, or the Compiling under way
-        self.offset_free = BoundedCache(regions)
-        self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
-        self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
-        # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
-        self.skeletons = BoundedCache(signatures)
-        self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
-        self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
-        self.last_sigs = BoundedCache(signatures)     # (shape-free fingerprint, k-th in its segment) -> its last node.sig
-        self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
+        self.memory.reset()
         self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
-
-    def cache_sizes(self) -> dict[str, CacheSize]:
-        return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions",
-                 "offset_free", "sites", "sightings", "skeletons", "generic_sigs", "seen_generic", "last_sigs",
-                 "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs, settings: Settings):
@@ -165,8 +135,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                 try:
                     full = False
                     try:
-                        result = self.segment.record(func, args, kwargs, settings, self.meta_cache,
-                                                     self.scalar_sites)
+                        result = self.segment.record(func, args, kwargs, settings, self.memory.meta_cache,
+                                                     self.memory.scalar_sites)
                     except OtherCore:
                         result = self._record_on_its_core(func, args, kwargs, settings)
                     except NeuronOutOfMemoryError:
@@ -238,7 +208,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         reason = self._enter_core(args, kwargs)
         if reason is not None:
             raise Unrecordable(reason)
-        return self.segment.record(func, args, kwargs, settings, self.meta_cache, self.scalar_sites)
+        return self.segment.record(func, args, kwargs, settings, self.memory.meta_cache, self.memory.scalar_sites)
 
     def _eagerly(self, func, args, kwargs, reason: Reason):
         """Run an op the segment cannot take now, after flushing what was recorded before it."""
@@ -376,10 +346,10 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         nodes, mode = segment.nodes, segment.settings.mode
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
-            self.seen.count(fp)
+            self.memory.seen.count(fp)
         compiling = mode is not Mode.EAGER
         threshold = stable_after(mode, segment.settings.threshold)
-        stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
+        stable = {i for i, n in enumerate(nodes) if compiling and self.memory.seen.get(n.fp, 0) >= threshold}
         # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
         sized, before = set(), {}
         if compiling and config.generalise_limit and len(stable) < len(nodes):
@@ -393,7 +363,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         order = analysis.execution_order(graph, members, len(nodes))
         needed = needed_values(segment, members)
         skeleton = tuple(n.func for n in nodes)
-        dynamic = self.skeletons.count(skeleton) > threshold
+        dynamic = self.memory.skeletons.count(skeleton) > threshold
         floating = analysis.float_dependent(nodes)
         steps, final, compiled_all = [], len(stable) == len(nodes), True
         # a region may still grow while its neighbours warm up; the block's last segment has
