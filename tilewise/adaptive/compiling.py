@@ -1,11 +1,13 @@
-"""The runtime's part in compiling regions: which compile serves a region of a flush (`_entry`: its
-key's, the one made at other input offsets, its site's generic one at other sizes) and, on a miss,
-what the policy decides; the compiler called on a thread of its own, or handed the region to
-compile in the compile process (background compiles) and the result taken in at a later flush; a
-compiled region cached under its key and told to the statistics and the events. A region the
-compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
+"""The runtime's part in compiling regions: a region of a flush observed as a policy.RegionState
+(`_observe`: what the caches hold for its key, for its key at other input offsets, what its
+site and the counts say), `policy.decide` asked, and its action done (`_act`); the compiler called
+on a thread of its own, or handed the region to compile in the compile process (background
+compiles) and the result taken in at a later flush; a compiled region cached under its key and told
+to the statistics and the events. A region the compiler fails on is held as `policy.Failed`, with
+the reason, and runs eagerly from then on.
 `Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `memory`
-(memory.py), statistics and events, and GenericSites' `_count_compile`.
+(memory.py), statistics and events, and GenericSites' `_site`, `_resized`, `_taken_in`, `_sized`,
+`_generalise` and `_count_compile`.
 """
 from __future__ import annotations
 
@@ -24,18 +26,19 @@ from ..device.runtime import DEVICE
 from ..graphs import reads_offsets
 from ..host_threads import run_kernels_serially
 from . import events, shapes
-from .policy import Mode, Reason, Verdict, Why, compiles_in_background, native_after_runs, on_region_miss
+from .policy import (Action, Compiled, Decision, Failed, InFlight, Job, Mode, Reason, RegionState, Resized, Unsupported,
+                     Waiting, Why, compiles_in_background, decide, native_after_runs)
 from .regions import CompiledEntry, Region, build_graph, mixes_dtypes_on_shared_storage, without_offsets
 from .segment import Segment
 
 
-class Unserved(enum.Enum):
-    """What the region caches hold for a region no compile serves."""
-    FAILED = "the compiler failed on it"
-    READS_OFFSETS = "its compile reads its inputs' offsets: it serves those offsets only"
+class ReadsOffsets(enum.Enum):
+    """Held under a region key without offsets (memory.offset_free) where the region's compile
+    reads its inputs' offsets: it serves those offsets only, none other."""
+    READS_OFFSETS = "its compile reads its inputs' offsets"
 
 
-FAILED, READS_OFFSETS = Unserved.FAILED, Unserved.READS_OFFSETS
+READS_OFFSETS = ReadsOffsets.READS_OFFSETS
 
 _thread_role = threading.local()
 
@@ -76,6 +79,24 @@ class Compiling(NamedTuple):
     site: object  # generic.Site or None
 
 
+def _held(value, at_other_offsets: bool) -> RegionState | None:
+    """The region state a cache entry holds; None: nothing held (or READS_OFFSETS: nothing for
+    this offset)."""
+    if type(value) is Failed:
+        return value
+    if type(value) is Compiling:
+        job = value.job
+        return InFlight(value, Job.RUNNING if not job.done() else Job.LOST if job.lost is not None else Job.DONE)
+    if isinstance(value, CompiledEntry):
+        return Compiled(value, at_other_offsets)
+    return None
+
+
+def _site_ops(segment: Segment, region: Region) -> tuple:
+    """A region's site in compiled mode, where signatures per site are counted: its ops."""
+    return tuple(segment.nodes[n].func for n in region.nodes)
+
+
 def compile_failure(error: Exception) -> Reason:
     """Why a region runs eagerly after its compile raised `error`; a setting the compile read and
     refused (ConfigError) is the program's error, raised, never a silent fallback to eager."""
@@ -88,28 +109,33 @@ class RegionCompiler:
     """Methods of `Runtime` (adaptive/runtime.py) that compile regions."""
 
     def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
-        """The compiled region for this region, compiled now if the policy says so; None: run
+        """The compiled region for this region, as `policy.decide` says from its state; None: run
         its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
         `before`: node index -> the signature it had at its previous size."""
-        entry = self.memory.regions.get(region.key)
-        if entry is FAILED:
-            return None
-        if type(entry) is Compiling:
-            return self._when_compiled(segment, region, entry)
-        if entry is not None:
-            self.memory.regions.touch(region.key)
-            return entry
+        state, site, changes = self._observe(segment, region, sizes_change, before)
+        while True:
+            decision = decide(state=state, mode=segment.settings.mode, settling=settling,
+                              recompile_limit=config.recompile_limit, generalise_limit=config.generalise_limit)
+            if decision.action is not Action.TAKE_IN or type(state) is not Resized:
+                return self._act(decision, state, segment, region, site)
+            self._taken_in(site, region)  # the site's generic compile, over: look at the site again
+            state = self._resized(segment, region, site, changes)
+
+    def _observe(self, segment: Segment, region: Region, sizes_change: bool, before: dict) -> tuple:
+        """The region's state (policy.RegionState), its generic.Site where the state came from it,
+        and what changed since the site's first signature where that was looked at: what the caches
+        hold for its key, else for its key at other input offsets, else (a miss) what its site and
+        the counts say. A miss counts the region's sighting."""
+        held = _held(self.memory.regions.get(region.key), at_other_offsets=False)
+        if held is not None:
+            return held, None, None
         loose = without_offsets(region.key)
         elsewhere = self.memory.offset_free.get(loose)
-        if elsewhere is FAILED:
-            return None
-        if type(elsewhere) is Compiling:
-            return self._when_compiled(segment, region, elsewhere)
-        if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
-            self.memory.offset_free.touch(loose)
-            return elsewhere
+        held = _held(elsewhere, at_other_offsets=True)
+        if held is not None:
+            return held, None, None
         if mixes_dtypes_on_shared_storage(segment, region):
-            return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
+            return Unsupported(Reason(Why.MIXED_DTYPE_VIEWS)), None, None
         site = self._site(segment, region, before)
         offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
@@ -117,31 +143,66 @@ class RegionCompiler:
             # a generic region serves its site's every signature; else generalise only for sizes,
             # ints or strides of their own that change (offsets alone stay static)
             if site.generic is not None or changes.any():
-                return self._other_sizes(segment, region, site, changes, settling)
+                return self._resized(segment, region, site, changes), site, changes
             # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
             # say, unless a compile of it read the offsets
             offsets_only = elsewhere is None and without_offsets(site.first) == loose
-        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.memory.sites.get(site_ops, 0) + 1
-        mode = segment.settings.mode
+        signatures = self.memory.sites.get(_site_ops(segment, region), 0) + 1
         sightings = self.memory.sightings.count(loose if offsets_only else region.key)
-        decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
-                                  sizes_change and not offsets_only)
-        if decision.verdict is Verdict.WAIT:
-            self.stats.warmup_ops += len(region.nodes)
+        return Waiting(sightings, signatures, sizes_change and not offsets_only), site, None
+
+    def _act(self, decision: Decision, state: RegionState, segment: Segment, region: Region, site):
+        """Do what the policy decided: the compiled region that runs, or None (its nodes run
+        eagerly), counted in the statistics."""
+        ops = len(region.nodes)
+        match decision.action:
+            case Action.RUN_COMPILED:
+                if state.at_other_offsets:
+                    self.memory.offset_free.touch(without_offsets(region.key))
+                else:
+                    self.memory.regions.touch(region.key)
+                return state.entry
+            case Action.RUN_GENERIC:
+                return self._sized(segment, region, site, state.arguments)
+            case Action.RUN_EAGER:
+                return None
+            case Action.AWAIT:
+                self.stats.compiling_ops += ops
+                return None
+            case Action.TAKE_IN:
+                return self._take_in(segment, region, state.compiling)
+            case Action.WAIT:
+                self.stats.warmup_ops += ops
+                return None
+            case Action.GIVE_UP:
+                return self._give_up(region, decision.reason)
+        if type(state) is InFlight:  # COMPILE: the compile process failed (it warned): compile here
+            self.memory.regions.pop(region.key, None)  # absent where the region came at another offset
+            return self._compile(segment, region, state.compiling.site)
+        self._count_miss(decision, state, segment, region)
+        if decision.action is Action.REFUSE:
+            self.stats.fallback("<region>", str(decision.reason), ops, source=False)
             return None
-        self.stats.cache_misses += 1
-        if mode is Mode.COMPILED:
-            self.memory.sites.put(site_ops, signatures)
-            self.stats.recompiles += signatures > 1
-        if decision.verdict is Verdict.EAGER:
-            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
-            return None
+        if decision.action is Action.GENERALISE:
+            return self._generalise(segment, region, site, state.changes)
         return self._compile(segment, region, site)
 
+    def _count_miss(self, decision: Decision, state: RegionState, segment: Segment, region: Region) -> None:
+        """A region compiled at a miss, or refused: a cache miss; in compiled mode a signature more
+        at its site (a recompile after the first), or at a generic site a compile again."""
+        self.stats.cache_misses += 1
+        compiled_mode = segment.settings.mode is Mode.COMPILED
+        if type(state) is Waiting:
+            if compiled_mode:
+                self.memory.sites.put(_site_ops(segment, region), state.signatures)
+                self.stats.recompiles += state.signatures > 1
+        elif decision.action is Action.GENERALISE or decision.reason.why is Why.ZERO_ONE_SIZE:
+            self.stats.recompiles += compiled_mode  # another compile at a site compiled before
+
     def _give_up(self, region: Region, reason: Reason) -> None:
-        self.memory.regions.put(region.key, FAILED)
-        self.memory.offset_free.put(without_offsets(region.key), FAILED)  # at other offsets it fails alike
+        failed = Failed(reason)
+        self.memory.regions.put(region.key, failed)
+        self.memory.offset_free.put(without_offsets(region.key), failed)  # at other offsets it fails alike
         self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region, site):
@@ -173,17 +234,11 @@ class RegionCompiler:
             return None
         return self._compiled(segment, region, site, compiled, started, cached=cache.stats.compiles == passes_run)
 
-    def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
-        """The region compiling in the background, put to use once it is compiled; None until then."""
+    def _take_in(self, segment: Segment, region: Region, compiling: "Compiling"):
+        """The region's finished background compile, put to use."""
         from ..compiler import finish
 
         job = compiling.job
-        if not job.done():
-            self.stats.compiling_ops += len(region.nodes)
-            return None
-        if job.lost is not None:  # the compile process failed (it warned): compile here instead
-            self.memory.regions.pop(region.key, None)  # absent where the region came at another offset
-            return self._compile(segment, region, compiling.site)
         DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
                              ops=len(region.nodes), seconds_compiling=job.seconds)
         started = time.perf_counter()

@@ -14,7 +14,7 @@ from ..config import config
 from ..device.runtime import DEVICE
 from . import events, regions, shapes
 from .compiling import compile_failure
-from .policy import Mode, Reason, Verdict, Why, compiles_in_background, on_other_sizes
+from .policy import Job, Reason, Resized, Why, compiles_in_background
 from .regions import CompiledEntry, Region, Sized, build_graph, key_with
 from .segment import Segment
 
@@ -83,34 +83,23 @@ class GenericSites:
             return None
         return site
 
-    def _other_sizes(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes, settling: bool):
-        """A signature at a site that differs from its first in sizes or int arguments: served by
-        the site's generic region if its guards admit it, else generalise (policy permitting)."""
-        if site.compiling is not None and not self._taken_in(site, region):
-            self.stats.compiling_ops += len(region.nodes)
-            return None
+    def _resized(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes) -> Resized:
+        """The state (policy.Resized) of a region whose signature differs from its site's first
+        in sizes or int arguments (`changes`): the site's generic compile under way, its generic
+        region's guards admitting it, or else what a generic compile would take. Counts a guard
+        miss of the generic region and the site's sighting."""
+        if site.compiling is not None:
+            return Resized(Job.DONE if site.compiling.job.done() else Job.RUNNING)
         if site.generic is not None:
             arguments = _admitted(segment, region, site, changes)
             if arguments is not None:
-                return self._sized(segment, region, site, arguments)
+                return Resized(None, arguments)
             self.stats.guard_misses[GENERIC_GUARD_MISS] += 1
         site.sightings += 1
-        decision = on_other_sizes(segment.settings.mode, settling, site.sightings, site.generalisations, config.generalise_limit)
-        if decision.verdict is Verdict.WAIT:
-            self.stats.warmup_ops += len(region.nodes)
-            return None
-        self.stats.cache_misses += 1
-        if decision.verdict is Verdict.EAGER:
-            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
-            return None
-        self.stats.recompiles += segment.settings.mode is Mode.COMPILED  # another compile at a site compiled before
         if site.changes is not None:
             changes = changes.union(site.changes)
         ints = [shapes.int_value(segment.nodes[region.nodes[path.position]], path) for path in changes.ints]
-        if changes.specialises(region.key, ints):  # a size 0 or 1: no trace to generalise from; wait for another
-            self.stats.fallback("<region>", Why.ZERO_ONE_SIZE.value, len(region.nodes), source=False)
-            return None
-        return self._generalise(segment, region, site, changes)
+        return Resized(None, None, site.sightings, site.generalisations, changes.specialises(region.key, ints), changes)
 
     def _served_at_other_sizes(self, segment: Segment, region: Region) -> CompiledEntry | None:
         """A region of a plan reused at other sizes (plans.py): its entry if one was compiled for

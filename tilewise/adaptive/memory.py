@@ -43,9 +43,9 @@ class EngineMemory:
     # (shape-free fingerprints, aliasing) -> a final plan's steps, regions as their node indices
     size_free_plans: BoundedCache = _per_region()
     # -- regions (compiling.py) -----------------------------------------------------------------
-    regions: BoundedCache = _per_region()           # region key -> its CompiledEntry, its Compiling, or FAILED
+    regions: BoundedCache = _per_region()           # region key -> what it holds: CompiledEntry, Compiling or policy.Failed
     # region key without offsets -> its compile where its graphs read no offset (any offset's
-    # region runs it), READS_OFFSETS where they do, or the Compiling under way
+    # region runs it), READS_OFFSETS where they do, the Compiling under way, or policy.Failed
     offset_free: BoundedCache = _per_region()
     sites: BoundedCache = _per_signature()          # compiled mode: signatures per site
     sightings: BoundedCache = _per_signature()      # region key -> flushes that formed it

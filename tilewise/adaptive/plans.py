@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from . import events, shapes
 from .analysis import NodeStep
+from .policy import Kept
 from .regions import RegionStep, alias_signature, describe, needed_values
 from .segment import Segment, without_floats
 from .steps import every_node
@@ -65,15 +66,13 @@ class CachedPlans:
             if self.events.wants(events.SegmentRan):
                 self.events.publish(events.replay_event(self.stats.segments, segment, steps, False))
             return steps
-        steps, final, reusable = self._plan(segment)
-        if final:
+        steps, kept = self._plan(segment)
+        if kept is Kept.FINAL:
             self.memory.plans.put(plan_key, Plan(steps, locals_))
             if any(isinstance(step, RegionStep) for step in steps):
                 self.memory.size_free_plans.put(self._size_free_key(segment, alias), tuple(
                     tuple(step.region.nodes) if isinstance(step, RegionStep) else step for step in steps))
-        elif reusable:
-            # Only constants of eager nodes change from flush to flush (a learning-rate schedule,
-            # Adam's bias corrections): the same plan serves while the regions' ops are unchanged.
+        elif kept is Kept.WHILE_FLOATS_CHANGE:  # served while the regions' ops are unchanged
             members = tuple(n for step in steps if isinstance(step, RegionStep) for n in step.region.nodes)
             self.memory.dynamic_plans.put(key, (steps, members, tuple(locals_[n] for n in members)))
         return steps

@@ -31,8 +31,8 @@ from . import analysis, events, interrupts, scalars
 from .memory import EngineMemory
 from .analysis import NodeStep
 from .regions import RegionStep, describe, needed_values
-from .policy import (Mode, Reason, Settings, Why, copies_to_host, draws_random, runs_now, shape_reads_data,
-                     stable_after)
+from .policy import (Kept, Mode, Reason, Settings, Why, copies_to_host, draws_random, is_dynamic, is_settling,
+                     plan_kept, runs_now, shape_reads_data, stable_after)
 from .compiling import RegionCompiler, on_compiler_thread
 from .generic import GenericSites
 from .plans import CachedPlans
@@ -339,7 +339,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             raise
         self._run_steps(segment, steps)
 
-    def _plan(self, segment: Segment):
+    def _plan(self, segment: Segment) -> tuple[list, Kept]:
+        """Analyse a segment: its steps, and how its plan is kept (policy.plan_kept)."""
         # an analysis and its compiles make far more objects than recording, cycles among them
         # (fx graphs): the collector runs from here
         self._collector.end()
@@ -363,12 +364,10 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         order = analysis.execution_order(graph, members, len(nodes))
         needed = needed_values(segment, members)
         skeleton = tuple(n.func for n in nodes)
-        dynamic = self.memory.skeletons.count(skeleton) > threshold
+        dynamic = is_dynamic(skeleton_flushes=self.memory.skeletons.count(skeleton), threshold=threshold)
         floating = analysis.float_dependent(nodes)
-        steps, final, compiled_all = [], len(stable) == len(nodes), True
-        # a region may still grow while its neighbours warm up; the block's last segment has
-        # nothing after it in this block to reuse a compile: either way, compile what recurs
-        settling = not dynamic and not final or self._ending
+        steps, every_node_stable, served = [], len(stable) == len(nodes), True
+        settling = is_settling(dynamic=dynamic, every_node_stable=every_node_stable, block_ends=self._ending)
         for step in order:
             if isinstance(step, NodeStep):
                 steps.append(step)
@@ -378,19 +377,17 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             region = describe(segment, members[step.index], needed)
             entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
             if entry is None:
-                final = compiled_all = False
+                served = False
                 steps.extend(NodeStep(i) for i in region.nodes)
             else:
                 steps.append(RegionStep(region, entry))
         self.stats.regions_found += len(members)
         if self.events.wants(events.SegmentRan):
             self.events.publish(events.segment_event(self.stats.segments, segment, graph, stable, steps, dynamic))
-        # Reusable without analysis while only floats change: every eager node has floats or reads
-        # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
-        # lengths does) and must be analysed again, to compile when it has become stable.
         floats_only = all(floating[step.index] or not nodes[step.index].plan.kernel
                           for step in steps if isinstance(step, NodeStep))
-        return steps, final, dynamic and compiling and compiled_all and floats_only
+        return steps, plan_kept(every_node_stable=every_node_stable, every_region_served=served, dynamic=dynamic,
+                                compiling=compiling, eager_nodes_follow_floats=floats_only)
 
     def _count_dynamic(self, node, dynamic: bool) -> None:
         """Say why a node stayed eager: still warming up, or the same ops keep coming with new
