@@ -601,14 +601,14 @@ def test_torch_save_inside_the_engine_saves_computed_values():
 def test_a_cached_plan_serves_only_the_signatures_it_was_made_for(monkeypatch):
     """Plans are keyed by the fingerprints hashed at record time: with every fingerprint forced to
     collide, two programs of the same length still each get their own plan and CPU's numbers."""
-    steps_for = type(RUNTIME)._steps_for
+    steps_for = type(RUNTIME.planner).steps_for
 
     def colliding(self, segment):
         for node in segment.nodes:
             node.fp = 0
         return steps_for(self, segment)
 
-    monkeypatch.setattr(type(RUNTIME), "_steps_for", colliding)
+    monkeypatch.setattr(type(RUNTIME.planner), "steps_for", colliding)
     programs = [lambda x: (x * 2.0) + 1.0, lambda x: (x - 3.0) * 4.0]
     x = torch.arange(6.0)
     tilewise.stats().reset()

@@ -567,3 +567,41 @@ K = P.Kept
 def test_a_plan_is_kept_as_its_table_says(stable, served, dynamic, compiling, floats, kept):
     assert P.plan_kept(every_node_stable=stable, every_region_served=served, dynamic=dynamic,
                        compiling=compiling, eager_nodes_follow_floats=floats) is kept
+
+
+def _recorded(memory, settings):
+    """A segment of two recorded ops on device tensors, recorded with `memory`'s caches."""
+    from tilewise.adaptive.segment import Segment
+
+    x_cpu = torch.randn(6)
+    x = x_cpu.to("neuron")
+    segment = Segment()
+    y = segment.record(aten.mul.Tensor, (x, x), {}, settings, memory.meta_cache, memory.scalar_sites)
+    z = segment.record(aten.add.Scalar, (y, 1.0), {}, settings, memory.meta_cache, memory.scalar_sites)
+    return segment, z, x_cpu * x_cpu + 1.0
+
+
+def test_the_region_compiler_is_a_part_that_serves_regions_without_a_runtime():
+    """A RegionCompiler given a memory of its own (no Runtime): a region settled at first sight
+    compiles, runs as CPU computes, and is served from that memory when it comes again."""
+    from tilewise.adaptive.compiling import RegionCompiler
+    from tilewise.adaptive.events import EventStream
+    from tilewise.adaptive.generic import GenericSites
+    from tilewise.adaptive.memory import EngineMemory
+    from tilewise.adaptive.regions import CompiledEntry, describe, needed_values
+    from tilewise.adaptive.stats import Stats
+
+    memory, stats, events = EngineMemory(), Stats(), EventStream()
+    compiler = RegionCompiler(memory, stats, events, GenericSites(memory, stats, events))
+    settings = P.Settings(ADAPTIVE, threshold=2, max_segment_ops=100)
+    entries = []
+    for _ in range(2):
+        segment, z, want = _recorded(memory, settings)
+        region = describe(segment, [0, 1], needed_values(segment, [[0, 1]]))
+        entry = compiler.entry(segment, region, settling=False, sizes_change=False, before={})
+        assert isinstance(entry, CompiledEntry)
+        entry.run(segment, region)
+        assert torch.equal(z.cpu(), want)
+        entries.append(entry)
+    assert entries[0] is entries[1] and stats.cache_misses == 1 and len(memory.regions) == 1
+    assert tilewise.adaptive.RUNTIME.memory.cache_info()["regions"].entries == 0  # the engine's own memory is untouched

@@ -15,6 +15,7 @@ import tilewise
 from tilewise.adaptive import regions as regions_module
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.runtime import Runtime
+from tilewise.adaptive.steps import StepRunner
 from tilewise.adaptive.segment import Segment
 from tilewise.device.hbm import HBM
 from tilewise.device.timeline import Timeline
@@ -427,10 +428,10 @@ def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_s
     Python handler waits for the flush, as SIGINT does."""
     x_cpu = torch.randn(5)
     want = x_cpu * 2 + 1
-    original, sent = Runtime._run_step, []
+    original, sent = StepRunner._run_step, []
 
-    def step_then_signal(runtime, segment, step):
-        original(runtime, segment, step)
+    def step_then_signal(runner, segment, step):
+        original(runner, segment, step)
         if not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGALRM)  # its handler raises as the step returns
@@ -443,7 +444,7 @@ def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_s
         with tilewise.engine(mode=mode):
             w = x_cpu.to("neuron")
             w.mul_(2).add_(1)
-            monkeypatch.setattr(Runtime, "_run_step", step_then_signal)
+            monkeypatch.setattr(StepRunner, "_run_step", step_then_signal)
             with pytest.raises(error):
                 w.sum().item()
             monkeypatch.undo()

@@ -5,9 +5,8 @@ on a thread of its own, or handed the region to compile in the compile process (
 compiles) and the result taken in at a later flush; a compiled region cached under its key and told
 to the statistics and the events. A region the compiler fails on is held as `policy.Failed`, with
 the reason, and runs eagerly from then on.
-`Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `memory`
-(memory.py), statistics and events, and GenericSites' `_site`, `_resized`, `_taken_in`, `_sized`,
-`_generalise` and `_count_compile`.
+The runtime holds one `RegionCompiler`, which reads and writes the engine's memory (memory.py)
+and asks the runtime's `GenericSites` (generic.py) about sizes that change.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import enum
 import os
 import threading
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,6 +29,12 @@ from .policy import (Action, Compiled, Decision, Failed, InFlight, Job, Mode, Re
                      Waiting, Why, compiles_in_background, decide, native_after_runs)
 from .regions import CompiledEntry, Region, build_graph, mixes_dtypes_on_shared_storage, without_offsets
 from .segment import Segment
+
+if TYPE_CHECKING:
+    from .events import EventStream
+    from .generic import GenericSites
+    from .memory import EngineMemory
+    from .stats import Stats
 
 
 class ReadsOffsets(enum.Enum):
@@ -97,6 +102,21 @@ def _site_ops(segment: Segment, region: Region) -> tuple:
     return tuple(segment.nodes[n].func for n in region.nodes)
 
 
+def in_compiler_thread(compile_fn, *args, **kwargs):
+    """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
+    a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
+    dispatch state breaks that tracing. A thread of its own starts from clean state."""
+    return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
+
+
+def give_up(memory: EngineMemory, stats: Stats, region: Region, reason: Reason) -> None:
+    """Hold the region as failed (at every input offset: it fails alike there) and count why."""
+    failed = Failed(reason)
+    memory.regions.put(region.key, failed)
+    memory.offset_free.put(without_offsets(region.key), failed)
+    stats.fallback("<region>", str(reason), len(region.nodes), source=False)
+
+
 def compile_failure(error: Exception) -> Reason:
     """Why a region runs eagerly after its compile raised `error`; a setting the compile read and
     refused (ConfigError) is the program's error, raised, never a silent fallback to eager."""
@@ -106,9 +126,13 @@ def compile_failure(error: Exception) -> Reason:
 
 
 class RegionCompiler:
-    """Methods of `Runtime` (adaptive/runtime.py) that compile regions."""
+    """Serves each region of a flush as the policy decides: its compile, its site's generic
+    region (asked of `sites`), a compile made now or in the compile process, or None (eager)."""
 
-    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
+    def __init__(self, memory: EngineMemory, stats: Stats, events: EventStream, sites: GenericSites):
+        self.memory, self.stats, self.events, self.sites = memory, stats, events, sites
+
+    def entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
         """The compiled region for this region, as `policy.decide` says from its state; None: run
         its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
         `before`: node index -> the signature it had at its previous size."""
@@ -118,8 +142,8 @@ class RegionCompiler:
                               recompile_limit=config.recompile_limit, generalise_limit=config.generalise_limit)
             if decision.action is not Action.TAKE_IN or type(state) is not Resized:
                 return self._act(decision, state, segment, region, site)
-            self._taken_in(site, region)  # the site's generic compile, over: look at the site again
-            state = self._resized(segment, region, site, changes)
+            self.sites.taken_in(site, region)  # the site's generic compile, over: look at the site again
+            state = self.sites.resized(segment, region, site, changes)
 
     def _observe(self, segment: Segment, region: Region, sizes_change: bool, before: dict) -> tuple:
         """The region's state (policy.RegionState), its generic.Site where the state came from it,
@@ -136,14 +160,14 @@ class RegionCompiler:
             return held, None, None
         if mixes_dtypes_on_shared_storage(segment, region):
             return Unsupported(Reason(Why.MIXED_DTYPE_VIEWS)), None, None
-        site = self._site(segment, region, before)
+        site = self.sites.site(segment, region, before)
         offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
             changes = shapes.changes(site.first, region.key)
             # a generic region serves its site's every signature; else generalise only for sizes,
             # ints or strides of their own that change (offsets alone stay static)
             if site.generic is not None or changes.any():
-                return self._resized(segment, region, site, changes), site, changes
+                return self.sites.resized(segment, region, site, changes), site, changes
             # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
             # say, unless a compile of it read the offsets
             offsets_only = elsewhere is None and without_offsets(site.first) == loose
@@ -163,7 +187,7 @@ class RegionCompiler:
                     self.memory.regions.touch(region.key)
                 return state.entry
             case Action.RUN_GENERIC:
-                return self._sized(segment, region, site, state.arguments)
+                return self.sites.sized(segment, region, site, state.arguments)
             case Action.RUN_EAGER:
                 return None
             case Action.AWAIT:
@@ -175,7 +199,7 @@ class RegionCompiler:
                 self.stats.warmup_ops += ops
                 return None
             case Action.GIVE_UP:
-                return self._give_up(region, decision.reason)
+                return give_up(self.memory, self.stats, region, decision.reason)
         if type(state) is InFlight:  # COMPILE: the compile process failed (it warned): compile here
             self.memory.regions.pop(region.key, None)  # absent where the region came at another offset
             return self._compile(segment, region, state.compiling.site)
@@ -184,7 +208,7 @@ class RegionCompiler:
             self.stats.fallback("<region>", str(decision.reason), ops, source=False)
             return None
         if decision.action is Action.GENERALISE:
-            return self._generalise(segment, region, site, state.changes)
+            return self.sites.generalise(segment, region, site, state.changes)
         return self._compile(segment, region, site)
 
     def _count_miss(self, decision: Decision, state: RegionState, segment: Segment, region: Region) -> None:
@@ -198,12 +222,6 @@ class RegionCompiler:
                 self.stats.recompiles += state.signatures > 1
         elif decision.action is Action.GENERALISE or decision.reason.why is Why.ZERO_ONE_SIZE:
             self.stats.recompiles += compiled_mode  # another compile at a site compiled before
-
-    def _give_up(self, region: Region, reason: Reason) -> None:
-        failed = Failed(reason)
-        self.memory.regions.put(region.key, failed)
-        self.memory.offset_free.put(without_offsets(region.key), failed)  # at other offsets it fails alike
-        self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
 
     def _compile(self, segment: Segment, region: Region, site):
         """The region compiled now, or (compiling in the background) None while its ops run eagerly;
@@ -219,12 +237,12 @@ class RegionCompiler:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
             if compiles_in_background(segment.settings):
-                compiled = self.in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
+                compiled = in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
             else:
-                compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
+                compiled = in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
                                                    native_after_runs=after)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            return self._give_up(region, compile_failure(error))
+            return give_up(self.memory, self.stats, region, compile_failure(error))
         if isinstance(compiled, background.Job):
             compiling = Compiling(compiled, gm, site)
             self.memory.regions.put(region.key, compiling)
@@ -243,10 +261,10 @@ class RegionCompiler:
                              ops=len(region.nodes), seconds_compiling=job.seconds)
         started = time.perf_counter()
         try:
-            compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
+            compiled = in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
                                                native_after_runs(segment.settings.mode))
         except Exception as error:
-            return self._give_up(region, compile_failure(error))
+            return give_up(self.memory, self.stats, region, compile_failure(error))
         return self._compiled(segment, region, compiling.site, compiled, started, background_seconds=job.seconds)
 
     def _compiled(self, segment: Segment, region: Region, site, compiled, started: float, cached: bool = False,
@@ -264,7 +282,7 @@ class RegionCompiler:
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
             cached=cached, background_seconds=background_seconds))
         if site is not None:
-            self._count_compile(site, entry.name)
+            self.sites.count_compile(site, entry.name)
         return entry
 
     def _serve_other_offsets(self, region: Region, entry: CompiledEntry, reads: bool) -> None:
@@ -278,9 +296,3 @@ class RegionCompiler:
                 self.memory.regions[key] = entry
         self.memory.offset_free.put(loose, READS_OFFSETS if reads else entry)
 
-    @staticmethod
-    def in_compiler_thread(compile_fn, *args, **kwargs):
-        """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
-        a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
-        dispatch state breaks that tracing. A thread of its own starts from clean state."""
-        return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()

@@ -6,20 +6,26 @@ the plan of the same ops at other sizes: its steps without sizes (which nodes ru
 which order), each region described again at the new sizes and served as a full analysis would
 serve it (its compiled entry, or its site's shape-generic region), or else analysed afresh.
 
-The Runtime mixes this in; it provides `memory` (memory.py: `plans`, `dynamic_plans`,
-`size_free_plans`, `regions`, `generic_sigs`, `seen`), `stats`, `events`, `_plan` (analyse a
-segment), `_count_dynamic` and `_served_at_other_sizes`.
+The runtime holds one `CachedPlans`; it reads and writes the engine's memory (memory.py: `plans`,
+`dynamic_plans`, `size_free_plans`, `regions`, `generic_sigs`, `seen`) and asks the runtime's
+`GenericSites` for regions at other sizes.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from . import events, shapes
 from .analysis import NodeStep
-from .policy import Kept
+from .policy import Kept, Why
 from .regions import RegionStep, alias_signature, describe, needed_values
 from .segment import Segment, without_floats
 from .steps import every_node
+
+if TYPE_CHECKING:
+    from .events import EventStream
+    from .generic import GenericSites
+    from .memory import EngineMemory
+    from .stats import Stats
 
 
 class Plan(NamedTuple):
@@ -29,7 +35,14 @@ class Plan(NamedTuple):
 
 
 class CachedPlans:
-    def _steps_for(self, segment: Segment) -> list:
+    """Segment plans: replayed (guards checked), taken from the same ops at other sizes, or made
+    by `analyse` (the runtime's analysis: its steps and how its plan is kept) and kept."""
+
+    def __init__(self, memory: EngineMemory, stats: Stats, events: EventStream, sites: GenericSites,
+                 analyse: Callable[[Segment], tuple[list, Kept]]):
+        self.memory, self.stats, self.events, self.sites, self.analyse = memory, stats, events, sites, analyse
+
+    def steps_for(self, segment: Segment) -> list:
         """The segment's plan: cached (guards checked) or made now."""
         locals_ = tuple([n.sig for n in segment.nodes])
         # Which external each node reads: `local` says only what its inputs look like, so
@@ -66,7 +79,7 @@ class CachedPlans:
             if self.events.wants(events.SegmentRan):
                 self.events.publish(events.replay_event(self.stats.segments, segment, steps, False))
             return steps
-        steps, kept = self._plan(segment)
+        steps, kept = self.analyse(segment)
         if kept is Kept.FINAL:
             self.memory.plans.put(plan_key, Plan(steps, locals_))
             if any(isinstance(step, RegionStep) for step in steps):
@@ -97,7 +110,7 @@ class CachedPlans:
                 steps.append(group)
                 continue
             region = describe(segment, list(group), needed)
-            entry = self._served_at_other_sizes(segment, region)
+            entry = self.sites.served_at_other_sizes(segment, region)
             if entry is None:
                 return None
             steps.append(RegionStep(region, entry))
@@ -114,7 +127,7 @@ class CachedPlans:
     def _count_dynamic_steps(self, segment: Segment, steps) -> None:
         for step in steps:
             if isinstance(step, NodeStep):
-                self._count_dynamic(segment.nodes[step.index], True)
+                count_eager(self.stats, segment.nodes[step.index], True)
 
     def _guard_miss(self, segment: Segment, steps) -> str | None:
         for step in steps:
@@ -137,3 +150,14 @@ class CachedPlans:
                     detail.misses += 1
                 for n in region.nodes:
                     self.memory.seen.pop(segment.nodes[n].fp, None)
+
+
+def count_eager(stats: Stats, node, dynamic: bool) -> None:
+    """Say why a node stayed eager: still warming up, or the same ops keep coming with new shapes
+    or constants (policy.is_dynamic)."""
+    if not node.plan.kernel:
+        return  # a view (taken at record time) or an allocation: no compute runs eagerly
+    if dynamic:
+        stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
+    else:
+        stats.warmup_ops += 1

@@ -35,7 +35,7 @@ from .policy import (Kept, Mode, Reason, Settings, Why, copies_to_host, draws_ra
                      plan_kept, runs_now, shape_reads_data, stable_after)
 from .compiling import RegionCompiler, on_compiler_thread
 from .generic import GenericSites
-from .plans import CachedPlans
+from .plans import CachedPlans, count_eager
 from .steps import StepRunner, Unfinished, every_node
 from .segment import OtherCore, Segment, Unrecordable
 from .stats import Stats
@@ -64,7 +64,12 @@ class OpInfo(NamedTuple):
     special: bool             # rewritten, decomposed, a view twin or cuda_inputs.OPS: dispatch's slow path
 
 
-class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
+class Runtime:
+    """The engine: records ops (`dispatch`) and, at a flush, plans and runs the segment. What it
+    remembers is `memory` (memory.py); its parts get what they use: `planner` (plans.py: a
+    segment's cached plan, or the analysis `_plan`), `compiler` (compiling.py: each region as
+    policy.decide says), `generic` (generic.py: sites whose sizes change), `runner` (steps.py)."""
+
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -78,7 +83,12 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
+        self.runner = StepRunner(self.stats, self.unfinished)
         self.memory = EngineMemory()  # every cache the engine consults
+        # its parts, each given what it uses: sizes that change, regions, segment plans
+        self.generic = GenericSites(self.memory, self.stats, self.events)
+        self.compiler = RegionCompiler(self.memory, self.stats, self.events, self.generic)
+        self.planner = CachedPlans(self.memory, self.stats, self.events, self.generic, analyse=self._plan)
         self.reset_caches()
         self.stats.cache_sizes = self.memory.cache_info
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
@@ -312,9 +322,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     if work.steps is None:
                         self._run_segment(work.segment)
                     else:
-                        self._run_steps(work.segment, work.steps)
+                        self.runner.run(work.segment, work.steps)
             except Exception:
-                raise  # the steps computed what they could (_run_steps)
+                raise  # the steps computed what they could (StepRunner.run)
             except BaseException:
                 if work.steps is None and not (self.unfinished and self.unfinished[0].segment is work.segment):
                     self.unfinished.insert(0, work)  # stopped before it ran a step
@@ -333,11 +343,11 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def _run_segment(self, segment: Segment) -> None:
         try:
-            steps = self._steps_for(segment)
+            steps = self.planner.steps_for(segment)
         except Exception:  # a bug of the engine's own: surface it, with every value computed
-            self._run_tolerant(segment, every_node(segment))
+            self.runner.run_tolerant(segment, every_node(segment))
             raise
-        self._run_steps(segment, steps)
+        self.runner.run(segment, steps)
 
     def _plan(self, segment: Segment) -> tuple[list, Kept]:
         """Analyse a segment: its steps, and how its plan is kept (policy.plan_kept)."""
@@ -354,7 +364,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
         sized, before = set(), {}
         if compiling and config.generalise_limit and len(stable) < len(nodes):
-            sized, before = self._stable_without_sizes(nodes, stable, threshold)
+            sized, before = self.generic.stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
         # a region of views and allocations only (an unused `empty` a composite op leaves)
@@ -372,10 +382,10 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
             if isinstance(step, NodeStep):
                 steps.append(step)
                 if compiling:  # a node whose floats were just lifted is warming up with its new fingerprint
-                    self._count_dynamic(nodes[step.index], dynamic and nodes[step.index].lifts is None)
+                    count_eager(self.stats, nodes[step.index], dynamic and nodes[step.index].lifts is None)
                 continue
             region = describe(segment, members[step.index], needed)
-            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
+            entry = self.compiler.entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
             if entry is None:
                 served = False
                 steps.extend(NodeStep(i) for i in region.nodes)
@@ -388,16 +398,6 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                           for step in steps if isinstance(step, NodeStep))
         return steps, plan_kept(every_node_stable=every_node_stable, every_region_served=served, dynamic=dynamic,
                                 compiling=compiling, eager_nodes_follow_floats=floats_only)
-
-    def _count_dynamic(self, node, dynamic: bool) -> None:
-        """Say why a node stayed eager: still warming up, or the same ops keep coming with new
-        shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
-        if not node.plan.kernel:
-            return  # a view (taken at record time) or an allocation: no compute runs eagerly
-        if dynamic:
-            self.stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
-        else:
-            self.stats.warmup_ops += 1
 
 
 def _rewrite_of(func) -> Callable | None:
