@@ -14,7 +14,7 @@
 A region at a flush is in one state (`RegionState`); `decide` gives the action:
 
     Compiled           its key's compile, or its key's at other input offsets -> RUN_COMPILED
-    Failed(reason)     held since the compiler failed on it                    -> RUN_EAGER, for good
+    Failed(reason)     held since its compile failed or it was given up        -> RUN_EAGER, for good
     InFlight(job)      its compile in the compile process: running -> AWAIT (eager meanwhile),
                        done -> TAKE_IN, lost -> COMPILE here
     Unsupported        cannot compile as it is (views in two dtypes)           -> GIVE_UP: held Failed
@@ -141,8 +141,11 @@ class Job(enum.Enum):
     LOST = "lost"  # the compile process failed (it warned)
 
 
-class Failed(NamedTuple):
-    """Held for a region that runs eagerly for good (at every input offset), and why."""
+@dataclass(frozen=True)
+class Failed:
+    """Held for a region that runs eagerly for good (at every input offset), and why: its
+    compile failed, or the region was given up (`Unsupported`, a size its generic region's
+    programs do not lower or lay out as recorded)."""
     reason: Reason
 
 
