@@ -33,6 +33,8 @@ from .segment import Segment
 if TYPE_CHECKING:
     from .events import EventStream
     from .generic import GenericSites
+    from .generic import Site as GenericSite
+    from .shapes import Changes
     from .memory import EngineMemory
     from .stats import Stats
 
@@ -82,6 +84,14 @@ class Compiling(NamedTuple):
     job: object  # compiler.background.Job
     gm: torch.fx.GraphModule
     site: object  # generic.Site or None
+
+
+class Observed(NamedTuple):
+    """A region's state at a flush, and what its action needs besides: its site and what changed
+    since the site's first signature, where the state came from them."""
+    state: RegionState
+    site: GenericSite | None = None
+    changes: Changes | None = None
 
 
 def _held(value, at_other_offsets: bool) -> RegionState | None:
@@ -145,21 +155,20 @@ class RegionCompiler:
             self.sites.taken_in(site, region)  # the site's generic compile, over: look at the site again
             state = self.sites.resized(segment, region, site, changes)
 
-    def _observe(self, segment: Segment, region: Region, sizes_change: bool, before: dict) -> tuple:
-        """The region's state (policy.RegionState), its generic.Site where the state came from it,
-        and what changed since the site's first signature where that was looked at: what the caches
-        hold for its key, else for its key at other input offsets, else (a miss) what its site and
-        the counts say. A miss counts the region's sighting."""
+    def _observe(self, segment: Segment, region: Region, sizes_change: bool, before: dict) -> Observed:
+        """The region as the policy sees it: what the caches hold for its key, else for its key at
+        other input offsets, else (a miss) what its site and the counts say. A miss counts the
+        region's sighting."""
         held = _held(self.memory.regions.get(region.key), at_other_offsets=False)
         if held is not None:
-            return held, None, None
+            return Observed(held)
         loose = without_offsets(region.key)
         elsewhere = self.memory.offset_free.get(loose)
         held = _held(elsewhere, at_other_offsets=True)
         if held is not None:
-            return held, None, None
+            return Observed(held)
         if mixes_dtypes_on_shared_storage(segment, region):
-            return Unsupported(Reason(Why.MIXED_DTYPE_VIEWS)), None, None
+            return Observed(Unsupported(Reason(Why.MIXED_DTYPE_VIEWS)))
         site = self.sites.site(segment, region, before)
         offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
@@ -167,15 +176,15 @@ class RegionCompiler:
             # a generic region serves its site's every signature; else generalise only for sizes,
             # ints or strides of their own that change (offsets alone stay static)
             if site.generic is not None or changes.any():
-                return self.sites.resized(segment, region, site, changes), site, changes
+                return Observed(self.sites.resized(segment, region, site, changes), site, changes)
             # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
             # say, unless a compile of it read the offsets
             offsets_only = elsewhere is None and without_offsets(site.first) == loose
         signatures = self.memory.sites.get(_site_ops(segment, region), 0) + 1
         sightings = self.memory.sightings.count(loose if offsets_only else region.key)
-        return Waiting(sightings, signatures, sizes_change and not offsets_only), site, None
+        return Observed(Waiting(sightings, signatures, sizes_change and not offsets_only), site)
 
-    def _act(self, decision: Decision, state: RegionState, segment: Segment, region: Region, site):
+    def _act(self, decision: Decision, state: RegionState, segment: Segment, region: Region, site: GenericSite | None):
         """Do what the policy decided: the compiled region that runs, or None (its nodes run
         eagerly), counted in the statistics."""
         ops = len(region.nodes)
