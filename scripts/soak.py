@@ -32,8 +32,8 @@ def resident_bytes() -> int:
 
 def engine_sizes() -> dict:
     from tilewise.adaptive import RUNTIME
-    return {"regions": len(RUNTIME.regions), "plans": len(RUNTIME.plans), "fingerprints": len(RUNTIME.seen),
-            "meta signatures": len(RUNTIME.meta_cache), "timeline events": len(__import__("tilewise").DEVICE.timeline.events)}
+    return {"regions": len(RUNTIME.memory.regions), "plans": len(RUNTIME.memory.plans), "fingerprints": len(RUNTIME.memory.seen),
+            "meta signatures": len(RUNTIME.memory.meta_cache), "timeline events": len(__import__("tilewise").DEVICE.timeline.events)}
 
 
 def soak(steps: int, every: int, report=print) -> list[dict]:

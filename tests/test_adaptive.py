@@ -62,7 +62,7 @@ def test_fixed_shapes_compile_everything_after_warmup(name):
     # nothing compiles before its ops have been seen `threshold` times and the region recurred;
     # a region formed while the step was still settling does not recur, and is never compiled
     assert compiles_at[threshold - 1] == 0 < compiles_at[threshold + 1], compiles_at
-    compiled = [e for e in RUNTIME.regions.values() if isinstance(e, CompiledEntry)]
+    compiled = [e for e in RUNTIME.memory.regions.values() if isinstance(e, CompiledEntry)]
     assert compiled and all(e.runs > 1 for e in compiled), [(e.name, e.runs) for e in compiled]
 
 
@@ -140,7 +140,7 @@ def test_changing_lengths_bounded_compiles_and_optimizer_compiled():
     assert tilewise.stats().compiles == compiles_in_40, "compiles grew although every length had been seen"
     # The optimizer step (shape-independent) runs compiled: Adam's update ops sit in a region.
     from tilewise.adaptive import RUNTIME
-    compiled_ops = {op for entry in RUNTIME.regions.values() if entry != "failed" for op in entry.op_names}
+    compiled_ops = {op for entry in RUNTIME.memory.regions.values() if entry != "failed" for op in entry.op_names}
     assert {"_foreach_addcmul_", "_foreach_lerp_", "_foreach_sqrt"} & compiled_ops, compiled_ops
 
 
@@ -601,14 +601,14 @@ def test_torch_save_inside_the_engine_saves_computed_values():
 def test_a_cached_plan_serves_only_the_signatures_it_was_made_for(monkeypatch):
     """Plans are keyed by the fingerprints hashed at record time: with every fingerprint forced to
     collide, two programs of the same length still each get their own plan and CPU's numbers."""
-    steps_for = type(RUNTIME)._steps_for
+    steps_for = type(RUNTIME.planner).steps_for
 
     def colliding(self, segment):
         for node in segment.nodes:
             node.fp = 0
         return steps_for(self, segment)
 
-    monkeypatch.setattr(type(RUNTIME), "_steps_for", colliding)
+    monkeypatch.setattr(type(RUNTIME.planner), "steps_for", colliding)
     programs = [lambda x: (x * 2.0) + 1.0, lambda x: (x - 3.0) * 4.0]
     x = torch.arange(6.0)
     tilewise.stats().reset()

@@ -472,3 +472,136 @@ def test_a_region_whose_graph_reads_its_inputs_offsets_is_not_served_at_others()
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
     stats = tilewise.stats()
     assert stats.compiles >= 8 and stats.ops_compiled > 0, stats.report()
+
+
+# -- the per-region state machine (policy.decide), one row per transition --------------------------
+P = tilewise.adaptive.policy
+A, J, W = P.Action, P.Job, None  # W: no reason
+ADAPTIVE, COMPILED = P.Mode.ADAPTIVE, P.Mode.COMPILED
+LIMITS = {"recompile_limit": 2, "generalise_limit": 2}
+FAILED_BEFORE = P.Reason(P.Why.COMPILE_FAILED, "RuntimeError: boom")
+MIXED = P.Reason(P.Why.MIXED_DTYPE_VIEWS)
+
+# (state, mode, settling) -> (action, why)
+TRANSITIONS = [
+    # held for its key, or for its key at other input offsets: whatever the counts
+    ((P.Compiled(None), ADAPTIVE, True), (A.RUN_COMPILED, W)),
+    ((P.Compiled(None, at_other_offsets=True), COMPILED, False), (A.RUN_COMPILED, W)),
+    ((P.Failed(FAILED_BEFORE), ADAPTIVE, False), (A.RUN_EAGER, P.Why.COMPILE_FAILED)),
+    ((P.Failed(FAILED_BEFORE), COMPILED, False), (A.RUN_EAGER, P.Why.COMPILE_FAILED)),
+    ((P.InFlight(None, J.RUNNING), ADAPTIVE, False), (A.AWAIT, W)),
+    ((P.InFlight(None, J.DONE), ADAPTIVE, True), (A.TAKE_IN, W)),
+    ((P.InFlight(None, J.LOST), ADAPTIVE, False), (A.COMPILE, W)),
+    # nothing held, a form that cannot compile
+    ((P.Unsupported(MIXED), COMPILED, False), (A.GIVE_UP, P.Why.MIXED_DTYPE_VIEWS)),
+    # a miss, adaptive mode: compile once the segment settled or the region recurred
+    ((P.Waiting(1, 1, False), ADAPTIVE, False), (A.COMPILE, W)),
+    ((P.Waiting(1, 1, False), ADAPTIVE, True), (A.WAIT, P.Why.NOT_RECURRED)),
+    ((P.Waiting(2, 1, False), ADAPTIVE, True), (A.COMPILE, W)),
+    ((P.Waiting(5, 1, True), ADAPTIVE, False), (A.WAIT, P.Why.NOT_RECURRED)),  # its sizes change
+    ((P.Waiting(1, 9, False), ADAPTIVE, False), (A.COMPILE, W)),  # no signature limit in adaptive mode
+    # a miss, compiled mode: at first sight, up to recompile_limit + 1 signatures per site
+    ((P.Waiting(1, 1, True), COMPILED, True), (A.COMPILE, W)),
+    ((P.Waiting(1, 3, False), COMPILED, False), (A.COMPILE, W)),
+    ((P.Waiting(1, 4, False), COMPILED, False), (A.REFUSE, P.Why.RECOMPILE_LIMIT)),
+    # other sizes at its site
+    ((P.Resized(J.RUNNING), ADAPTIVE, False), (A.AWAIT, W)),
+    ((P.Resized(J.DONE), COMPILED, False), (A.TAKE_IN, W)),
+    ((P.Resized(None, []), ADAPTIVE, True), (A.RUN_GENERIC, W)),
+    ((P.Resized(None, None, 1, 2, False), ADAPTIVE, False), (A.REFUSE, P.Why.GENERALISE_LIMIT)),
+    ((P.Resized(None, None, 1, 2, True), COMPILED, False), (A.REFUSE, P.Why.GENERALISE_LIMIT)),
+    ((P.Resized(None, None, 1, 0, False), ADAPTIVE, True), (A.WAIT, P.Why.NOT_RECURRED)),
+    ((P.Resized(None, None, 1, 0, True), ADAPTIVE, True), (A.WAIT, P.Why.NOT_RECURRED)),
+    ((P.Resized(None, None, 2, 1, False), ADAPTIVE, True), (A.GENERALISE, W)),
+    ((P.Resized(None, None, 1, 0, False), COMPILED, True), (A.GENERALISE, W)),
+    ((P.Resized(None, None, 1, 0, False), ADAPTIVE, False), (A.GENERALISE, W)),
+    ((P.Resized(None, None, 1, 0, True), ADAPTIVE, False), (A.REFUSE, P.Why.ZERO_ONE_SIZE)),
+    ((P.Resized(None, None, 3, 1, True), COMPILED, True), (A.REFUSE, P.Why.ZERO_ONE_SIZE)),
+]
+
+
+@pytest.mark.parametrize("observed, expected", TRANSITIONS, ids=[f"{type(o[0]).__name__}-{o[1]}-{'settling' if o[2] else 'settled'}-{e[0].name}" for o, e in TRANSITIONS])
+def test_the_region_policy_decides_each_state_as_its_table_says(observed, expected):
+    state, mode, settling = observed
+    decision = P.decide(state=state, mode=mode, settling=settling, **LIMITS)
+    assert (decision.action, decision.reason and decision.reason.why) == expected
+    if decision.action in (A.REFUSE, A.GIVE_UP):
+        assert decision.reason is not None  # every refusal is counted with its reason
+
+
+def test_the_region_policy_table_reaches_every_action_and_state():
+    assert {expected[0] for _, expected in TRANSITIONS} == set(A)
+    assert {type(observed[0]) for observed, _ in TRANSITIONS} == set(P.RegionState.__args__)
+    with pytest.raises(TypeError):
+        P.decide(P.Waiting(1, 1, False), ADAPTIVE, False, 2, 2)  # keyword-only
+
+
+# -- a segment at a flush: dynamic, settling, how its plan is kept ---------------------------------
+@pytest.mark.parametrize("dynamic, every_node_stable, block_ends, settling", [
+    (False, False, False, True),   # neighbours warming up: a region may still grow
+    (True, False, False, False),   # what is not stable keeps changing: nothing to wait for
+    (False, True, False, False),   # settled
+    (True, True, True, True), (False, True, True, True),  # the block's last segment: compile what recurs
+])
+def test_a_segment_settles_as_its_table_says(dynamic, every_node_stable, block_ends, settling):
+    assert P.is_settling(dynamic=dynamic, every_node_stable=every_node_stable, block_ends=block_ends) is settling
+
+
+def test_a_segment_is_dynamic_past_threshold_flushes_of_its_ops():
+    assert not P.is_dynamic(skeleton_flushes=2, threshold=2) and P.is_dynamic(skeleton_flushes=3, threshold=2)
+
+
+K = P.Kept
+
+
+@pytest.mark.parametrize("stable, served, dynamic, compiling, floats, kept", [
+    (True, True, False, True, False, K.FINAL),
+    (True, True, True, True, False, K.FINAL),
+    (True, False, True, True, True, K.NOT),          # a region waits, compiles or was refused
+    (False, True, True, True, True, K.WHILE_FLOATS_CHANGE),
+    (False, True, True, True, False, K.NOT),         # an eager node warming up
+    (False, True, False, True, True, K.NOT),         # not dynamic: still warming up
+    (False, True, True, False, True, K.NOT),         # eager mode
+    (False, False, True, True, True, K.NOT),
+])
+def test_a_plan_is_kept_as_its_table_says(stable, served, dynamic, compiling, floats, kept):
+    assert P.plan_kept(every_node_stable=stable, every_region_served=served, dynamic=dynamic,
+                       compiling=compiling, eager_nodes_follow_floats=floats) is kept
+
+
+def _recorded(memory, settings):
+    """A segment of two recorded ops on device tensors, recorded with `memory`'s caches."""
+    from tilewise.adaptive.segment import Segment
+
+    x_cpu = torch.randn(6)
+    x = x_cpu.to("neuron")
+    segment = Segment()
+    y = segment.record(aten.mul.Tensor, (x, x), {}, settings, memory.meta_cache, memory.scalar_sites)
+    z = segment.record(aten.add.Scalar, (y, 1.0), {}, settings, memory.meta_cache, memory.scalar_sites)
+    return segment, z, x_cpu * x_cpu + 1.0
+
+
+def test_the_region_compiler_is_a_part_that_serves_regions_without_a_runtime():
+    """A RegionCompiler given a memory of its own (no Runtime): a region settled at first sight
+    compiles, runs as CPU computes, and is served from that memory when it comes again."""
+    from tilewise.adaptive.compiling import RegionCompiler
+    from tilewise.adaptive.events import EventStream
+    from tilewise.adaptive.generic import GenericSites
+    from tilewise.adaptive.memory import EngineMemory
+    from tilewise.adaptive.regions import CompiledEntry, describe, needed_values
+    from tilewise.adaptive.stats import Stats
+
+    memory, stats, events = EngineMemory(), Stats(), EventStream()
+    compiler = RegionCompiler(memory, stats, events, GenericSites(memory, stats, events))
+    settings = P.Settings(ADAPTIVE, threshold=2, max_segment_ops=100)
+    entries = []
+    for _ in range(2):
+        segment, z, want = _recorded(memory, settings)
+        region = describe(segment, [0, 1], needed_values(segment, [[0, 1]]))
+        entry = compiler.entry(segment, region, settling=False, sizes_change=False, before={})
+        assert isinstance(entry, CompiledEntry)
+        entry.run(segment, region)
+        assert torch.equal(z.cpu(), want)
+        entries.append(entry)
+    assert entries[0] is entries[1] and stats.cache_misses == 1 and len(memory.regions) == 1
+    assert tilewise.adaptive.RUNTIME.memory.cache_info()["regions"].entries == 0  # the engine's own memory is untouched

@@ -329,7 +329,7 @@ def test_minibatches_drawn_by_host_indices_compile_without_a_flush(mode, host, m
                 o.zero_grad()
                 loss.backward()
                 o.step()
-        tiers = [entry.compiled.host_tier for entry in RUNTIME.regions.values() if isinstance(entry, CompiledEntry)]
+        tiers = [entry.compiled.host_tier for entry in RUNTIME.memory.regions.values() if isinstance(entry, CompiledEntry)]
     for p, q in zip(model.parameters(), model_cpu.parameters()):
         if host == "recorded":
             assert torch.equal(p.detach().cpu(), q.detach())

@@ -35,7 +35,7 @@ def test_two_threads_in_different_modes_keep_their_own_policy():
     for mode, op in (("adaptive", torch.sin), ("compiled", torch.cos)):
         expected = [op(x_cpu * (step + 1)).sum().item() for step in range(12)]
         torch.testing.assert_close(results[mode], expected, rtol=1e-5, atol=1e-4)
-    compiled_ops = {name for entry in RUNTIME.regions.values() if isinstance(entry, CompiledEntry)
+    compiled_ops = {name for entry in RUNTIME.memory.regions.values() if isinstance(entry, CompiledEntry)
                     for name in entry.op_names}
     assert "cos" in compiled_ops, compiled_ops
     assert "sin" not in compiled_ops, compiled_ops

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tilewise
-from tilewise.adaptive.compiling import RegionCompiler
+from tilewise.adaptive.compiling import in_compiler_thread
 from tilewise.compiler import native, tiers
 from tilewise.host_threads import _thread_count_setters, run_kernels_serially
 from tilewise.workloads import MLP
@@ -52,7 +52,7 @@ def test_the_compiler_thread_runs_kernels_serially_after_a_real_compile():
             opt.zero_grad()
             loss.item()
     assert stats.compiles >= 1
-    assert RegionCompiler.in_compiler_thread(torch.get_num_threads) == 1
+    assert in_compiler_thread(torch.get_num_threads) == 1
     assert torch.get_num_threads() == program_threads
 
 

@@ -15,6 +15,7 @@ import tilewise
 from tilewise.adaptive import regions as regions_module
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.runtime import Runtime
+from tilewise.adaptive.steps import StepRunner
 from tilewise.adaptive.segment import Segment
 from tilewise.device.hbm import HBM
 from tilewise.device.timeline import Timeline
@@ -202,6 +203,30 @@ def test_bounded_caches_forget_the_least_recently_used():
     cache.put("e", "E")
     assert list(cache) == ["d", "b", "e"] and cache.size() == (3, 3, 2)
     assert cache.count("n") == 1 and cache.count("n") == 2
+
+
+def test_the_engine_memory_reports_and_forgets_every_cache_it_holds():
+    from tilewise.adaptive.caches import BoundedCache
+    from tilewise.adaptive.memory import EngineMemory
+
+    memory = EngineMemory()
+    caches = {name: value for name, value in vars(memory).items() if isinstance(value, BoundedCache)}
+    assert list(memory.cache_info()) == list(caches) and len(caches) == 15
+    with tilewise.config.patch(signature_cache_size=1, region_cache_size=1):
+        for cache in caches.values():
+            cache.put("a", 1)
+            cache.put("b", 2)  # evicts "a"
+        assert all(info == (1, 1, 1) for info in memory.cache_info().values()), memory.cache_info()
+    memory.reset()
+    assert all(getattr(memory, name) is not cache and not getattr(memory, name) for name, cache in caches.items())
+    assert all(info.entries == 0 and info.evictions == 0 for info in memory.cache_info().values())
+    x = torch.randn(4).to("neuron")
+    with tilewise.engine(mode="adaptive", threshold=1):
+        for _ in range(3):
+            (x * 2).sum().item()
+    assert tilewise.stats().to_dict()["caches"] == {
+        name: info._asdict() for name, info in RUNTIME.memory.cache_info().items()}
+    assert RUNTIME.memory.cache_info()["regions"].entries >= 1
 
 
 def test_an_engine_object_can_be_entered_again_and_nested():
@@ -403,10 +428,10 @@ def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_s
     Python handler waits for the flush, as SIGINT does."""
     x_cpu = torch.randn(5)
     want = x_cpu * 2 + 1
-    original, sent = Runtime._run_step, []
+    original, sent = StepRunner._run_step, []
 
-    def step_then_signal(runtime, segment, step):
-        original(runtime, segment, step)
+    def step_then_signal(runner, segment, step):
+        original(runner, segment, step)
         if not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGALRM)  # its handler raises as the step returns
@@ -419,7 +444,7 @@ def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_s
         with tilewise.engine(mode=mode):
             w = x_cpu.to("neuron")
             w.mul_(2).add_(1)
-            monkeypatch.setattr(Runtime, "_run_step", step_then_signal)
+            monkeypatch.setattr(StepRunner, "_run_step", step_then_signal)
             with pytest.raises(error):
                 w.sum().item()
             monkeypatch.undo()

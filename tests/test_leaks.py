@@ -46,7 +46,7 @@ def test_region_cache_is_bounded_and_evicts_least_recently_used():
             for s in shapes:
                 x = inputs[s].to("neuron")
                 torch.testing.assert_close((x.tanh() * 3).sum(0).cpu(), (inputs[s].tanh() * 3).sum(0))
-                assert len(RUNTIME.regions) <= 2 and len(RUNTIME.plans) <= 2
+                assert len(RUNTIME.memory.regions) <= 2 and len(RUNTIME.memory.plans) <= 2
             compiles = tilewise.stats().compiles
             # The last two shapes are cached: no compile. The first was evicted: compiled again.
             for s in shapes[-2:] + shapes[:1]:
@@ -54,4 +54,4 @@ def test_region_cache_is_bounded_and_evicts_least_recently_used():
                 torch.testing.assert_close((x.tanh() * 3).sum(0).cpu(), (inputs[s].tanh() * 3).sum(0))
     assert compiles == len(shapes)
     assert tilewise.stats().compiles == compiles + 1, tilewise.stats().report()
-    assert len(RUNTIME.regions) <= 2
+    assert len(RUNTIME.memory.regions) <= 2

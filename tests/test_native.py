@@ -453,7 +453,7 @@ def test_an_adaptive_regions_c_writes_its_escaping_result_in_place(monkeypatch):
         for _ in range(3):
             y = (x_dev * 3 + 1) / (x_dev - 0.5)
             tilewise.sync()
-        (entry,) = [e for e in RUNTIME.regions.values() if isinstance(e, CompiledEntry)]
+        (entry,) = [e for e in RUNTIME.memory.regions.values() if isinstance(e, CompiledEntry)]
         assert entry.compiled.wait_native(BUILD_TIMEOUT) is Tier.NATIVE
         copies.clear()
         runs = entry.runs
@@ -517,7 +517,7 @@ def test_an_adaptive_region_builds_its_c_at_its_first_run(mode, runs_before_buil
         for _ in range(8):
             y = torch.tanh(x) * 2 + x
             tilewise.sync()
-            compiled = [entry.compiled for entry in RUNTIME.regions.values() if isinstance(entry, CompiledEntry)]
+            compiled = [entry.compiled for entry in RUNTIME.memory.regions.values() if isinstance(entry, CompiledEntry)]
             if compiled:
                 runs += 1
                 building = compiled[0].host_tier is not Tier.TORCH

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tilewise
-from tilewise.adaptive import policy, shapes
+from tilewise.adaptive import shapes
 from tilewise.adaptive import RUNTIME
 from tilewise.compiler import cache as compiler_cache
 from tilewise.compiler import decompose, meta_kernels
@@ -202,22 +202,6 @@ def test_inputs_whose_offsets_coincide_at_the_example_are_not_tied_together():
                        inputs(5, 7, n=9)[2].sum())
 
 
-def test_policy_generalises_up_to_its_limit():
-    adaptive, compiled = policy.Mode.ADAPTIVE, policy.Mode.COMPILED
-    assert policy.on_other_sizes(adaptive, False, 1, 0, 2).verdict is policy.Verdict.GENERALISE
-    assert policy.on_other_sizes(compiled, True, 1, 1, 2).verdict is policy.Verdict.GENERALISE
-    refused = policy.on_other_sizes(adaptive, False, 1, 2, 2)
-    assert refused.verdict is policy.Verdict.EAGER and refused.reason.why is Why.GENERALISE_LIMIT
-    # while its segment settles, a site generalises only once it has recurred
-    assert policy.on_other_sizes(adaptive, True, 1, 0, 2).verdict is policy.Verdict.WAIT
-    assert policy.on_other_sizes(adaptive, True, 2, 0, 2).verdict is policy.Verdict.GENERALISE
-    # adaptive mode does not compile the first signature of a region whose sizes change
-    waiting = policy.on_region_miss(policy.Mode.ADAPTIVE, False, 1, 1, 8, sizes_change=True)
-    assert waiting.verdict is policy.Verdict.WAIT
-    assert policy.on_region_miss(policy.Mode.COMPILED, False, 1, 1, 8, sizes_change=True).verdict \
-        is policy.Verdict.COMPILE
-
-
 def _view_mm_graph():
     graph = torch.fx.Graph()
     x, w, n = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("n")
@@ -354,7 +338,7 @@ def test_a_batch_of_one_runs_eagerly_with_a_reason_and_the_right_values():
     assert stats.ops_compiled > 0
     reasons = {reason for _, reason in stats.fallbacks}
     assert Why.ZERO_ONE_SIZE.value in reasons, stats.report()
-    assert RUNTIME.regions.size().entries > 0
+    assert RUNTIME.memory.regions.size().entries > 0
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "compiled"])

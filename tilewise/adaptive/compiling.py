@@ -1,11 +1,12 @@
-"""The runtime's part in compiling regions: which compile serves a region of a flush (`_entry`: its
-key's, the one made at other input offsets, its site's generic one at other sizes) and, on a miss,
-what the policy decides; the compiler called on a thread of its own, or handed the region to
-compile in the compile process (background compiles) and the result taken in at a later flush; a
-compiled region cached under its key and told to the statistics and the events. A region the
-compiler fails on is cached as FAILED, with the reason, and runs eagerly from then on.
-`Runtime` (adaptive/runtime.py) takes these methods from `RegionCompiler`; they use its `regions`
-cache, statistics and events, and GenericSites' `_count_compile`.
+"""The runtime's part in compiling regions: a region of a flush observed as a policy.RegionState
+(`_observe`: what the caches hold for its key, for its key at other input offsets, what its
+site and the counts say), `policy.decide` asked, and its action done (`_act`); the compiler called
+on a thread of its own, or handed the region to compile in the compile process (background
+compiles) and the result taken in at a later flush; a compiled region cached under its key and told
+to the statistics and the events. A region the compiler fails on is held as `policy.Failed`, with
+the reason, and runs eagerly from then on.
+The runtime holds one `RegionCompiler`, which reads and writes the engine's memory (memory.py)
+and asks the runtime's `GenericSites` (generic.py) about sizes that change.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import enum
 import os
 import threading
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,18 +25,27 @@ from ..device.runtime import DEVICE
 from ..graphs import reads_offsets
 from ..host_threads import run_kernels_serially
 from . import events, shapes
-from .policy import Mode, Reason, Verdict, Why, compiles_in_background, native_after_runs, on_region_miss
+from .policy import (Action, Compiled, Decision, Failed, InFlight, Job, Mode, Reason, RegionState, Resized, Unsupported,
+                     Waiting, Why, compiles_in_background, decide, native_after_runs)
 from .regions import CompiledEntry, Region, build_graph, mixes_dtypes_on_shared_storage, without_offsets
 from .segment import Segment
 
+if TYPE_CHECKING:
+    from .events import EventStream
+    from .generic import GenericSites
+    from .generic import Site as GenericSite
+    from .shapes import Changes
+    from .memory import EngineMemory
+    from .stats import Stats
 
-class Unserved(enum.Enum):
-    """What the region caches hold for a region no compile serves."""
-    FAILED = "the compiler failed on it"
-    READS_OFFSETS = "its compile reads its inputs' offsets: it serves those offsets only"
+
+class ReadsOffsets(enum.Enum):
+    """Held under a region key without offsets (memory.offset_free) where the region's compile
+    reads its inputs' offsets: it serves those offsets only, none other."""
+    READS_OFFSETS = "its compile reads its inputs' offsets"
 
 
-FAILED, READS_OFFSETS = Unserved.FAILED, Unserved.READS_OFFSETS
+READS_OFFSETS = ReadsOffsets.READS_OFFSETS
 
 _thread_role = threading.local()
 
@@ -76,6 +86,47 @@ class Compiling(NamedTuple):
     site: object  # generic.Site or None
 
 
+class Observed(NamedTuple):
+    """A region's state at a flush, and what its action needs besides: its site and what changed
+    since the site's first signature, where the state came from them."""
+    state: RegionState
+    site: GenericSite | None = None
+    changes: Changes | None = None
+
+
+def _held(value, at_other_offsets: bool) -> RegionState | None:
+    """The region state a cache entry holds; None: nothing held (or READS_OFFSETS: nothing for
+    this offset)."""
+    if type(value) is Failed:
+        return value
+    if type(value) is Compiling:
+        job = value.job
+        return InFlight(value, Job.RUNNING if not job.done() else Job.LOST if job.lost is not None else Job.DONE)
+    if isinstance(value, CompiledEntry):
+        return Compiled(value, at_other_offsets)
+    return None
+
+
+def _site_ops(segment: Segment, region: Region) -> tuple:
+    """A region's site in compiled mode, where signatures per site are counted: its ops."""
+    return tuple(segment.nodes[n].func for n in region.nodes)
+
+
+def in_compiler_thread(compile_fn, *args, **kwargs):
+    """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
+    a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
+    dispatch state breaks that tracing. A thread of its own starts from clean state."""
+    return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
+
+
+def give_up(memory: EngineMemory, stats: Stats, region: Region, reason: Reason) -> None:
+    """Hold the region as failed (at every input offset: it fails alike there) and count why."""
+    failed = Failed(reason)
+    memory.regions.put(region.key, failed)
+    memory.offset_free.put(without_offsets(region.key), failed)
+    stats.fallback("<region>", str(reason), len(region.nodes), source=False)
+
+
 def compile_failure(error: Exception) -> Reason:
     """Why a region runs eagerly after its compile raised `error`; a setting the compile read and
     refused (ConfigError) is the program's error, raised, never a silent fallback to eager."""
@@ -85,71 +136,108 @@ def compile_failure(error: Exception) -> Reason:
 
 
 class RegionCompiler:
-    """Methods of `Runtime` (adaptive/runtime.py) that compile regions."""
+    """Serves each region of a flush as the policy decides: its compile, its site's generic
+    region (asked of `sites`), a compile made now or in the compile process, or None (eager)."""
 
-    def _entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
-        """The compiled region for this region, compiled now if the policy says so; None: run
+    def __init__(self, memory: EngineMemory, stats: Stats, events: EventStream, sites: GenericSites):
+        self.memory, self.stats, self.events, self.sites = memory, stats, events, sites
+
+    def entry(self, segment: Segment, region: Region, settling: bool, sizes_change: bool, before: dict):
+        """The compiled region for this region, as `policy.decide` says from its state; None: run
         its nodes eagerly. `sizes_change`: some of its nodes are stable only without their sizes;
         `before`: node index -> the signature it had at its previous size."""
-        entry = self.regions.get(region.key)
-        if entry is FAILED:
-            return None
-        if type(entry) is Compiling:
-            return self._when_compiled(segment, region, entry)
-        if entry is not None:
-            self.regions.touch(region.key)
-            return entry
+        state, site, changes = self._observe(segment, region, sizes_change, before)
+        while True:
+            decision = decide(state=state, mode=segment.settings.mode, settling=settling,
+                              recompile_limit=config.recompile_limit, generalise_limit=config.generalise_limit)
+            if decision.action is not Action.TAKE_IN or type(state) is not Resized:
+                return self._act(decision, state, segment, region, site)
+            self.sites.taken_in(site, region)  # the site's generic compile, over: look at the site again
+            state = self.sites.resized(segment, region, site, changes)
+
+    def _observe(self, segment: Segment, region: Region, sizes_change: bool, before: dict) -> Observed:
+        """The region as the policy sees it: what the caches hold for its key, else for its key at
+        other input offsets, else (a miss) what its site and the counts say. A miss counts the
+        region's sighting."""
+        held = _held(self.memory.regions.get(region.key), at_other_offsets=False)
+        if held is not None:
+            return Observed(held)
         loose = without_offsets(region.key)
-        elsewhere = self.offset_free.get(loose)
-        if elsewhere is FAILED:
-            return None
-        if type(elsewhere) is Compiling:
-            return self._when_compiled(segment, region, elsewhere)
-        if elsewhere is not None and elsewhere is not READS_OFFSETS:  # compiled at other offsets
-            self.offset_free.touch(loose)
-            return elsewhere
+        elsewhere = self.memory.offset_free.get(loose)
+        held = _held(elsewhere, at_other_offsets=True)
+        if held is not None:
+            return Observed(held)
         if mixes_dtypes_on_shared_storage(segment, region):
-            return self._give_up(region, Reason(Why.MIXED_DTYPE_VIEWS))
-        site = self._site(segment, region, before)
+            return Observed(Unsupported(Reason(Why.MIXED_DTYPE_VIEWS)))
+        site = self.sites.site(segment, region, before)
         offsets_only = False
         if site is not None and config.generalise_limit and (site.generic is not None or site.first != region.key):
             changes = shapes.changes(site.first, region.key)
             # a generic region serves its site's every signature; else generalise only for sizes,
             # ints or strides of their own that change (offsets alone stay static)
             if site.generic is not None or changes.any():
-                return self._other_sizes(segment, region, site, changes, settling)
+                return Observed(self.sites.resized(segment, region, site, changes), site, changes)
             # the same region at other input offsets: it recurs, whatever its nodes' fingerprints
             # say, unless a compile of it read the offsets
             offsets_only = elsewhere is None and without_offsets(site.first) == loose
-        site_ops = tuple(segment.nodes[n].func for n in region.nodes)
-        signatures = self.sites.get(site_ops, 0) + 1
-        mode = segment.settings.mode
-        sightings = self.sightings.count(loose if offsets_only else region.key)
-        decision = on_region_miss(mode, settling, sightings, signatures, config.recompile_limit,
-                                  sizes_change and not offsets_only)
-        if decision.verdict is Verdict.WAIT:
-            self.stats.warmup_ops += len(region.nodes)
+        signatures = self.memory.sites.get(_site_ops(segment, region), 0) + 1
+        sightings = self.memory.sightings.count(loose if offsets_only else region.key)
+        return Observed(Waiting(sightings, signatures, sizes_change and not offsets_only), site)
+
+    def _act(self, decision: Decision, state: RegionState, segment: Segment, region: Region, site: GenericSite | None):
+        """Do what the policy decided: the compiled region that runs, or None (its nodes run
+        eagerly), counted in the statistics."""
+        ops = len(region.nodes)
+        match decision.action:
+            case Action.RUN_COMPILED:
+                if state.at_other_offsets:
+                    self.memory.offset_free.touch(without_offsets(region.key))
+                else:
+                    self.memory.regions.touch(region.key)
+                return state.entry
+            case Action.RUN_GENERIC:
+                return self.sites.sized(segment, region, site, state.arguments)
+            case Action.RUN_EAGER:
+                return None
+            case Action.AWAIT:
+                self.stats.compiling_ops += ops
+                return None
+            case Action.TAKE_IN:
+                return self._take_in(segment, region, state.compiling)
+            case Action.WAIT:
+                self.stats.warmup_ops += ops
+                return None
+            case Action.GIVE_UP:
+                return give_up(self.memory, self.stats, region, decision.reason)
+        if type(state) is InFlight:  # COMPILE: the compile process failed (it warned): compile here
+            self.memory.regions.pop(region.key, None)  # absent where the region came at another offset
+            return self._compile(segment, region, state.compiling.site)
+        self._count_miss(decision, state, segment, region)
+        if decision.action is Action.REFUSE:
+            self.stats.fallback("<region>", str(decision.reason), ops, source=False)
             return None
-        self.stats.cache_misses += 1
-        if mode is Mode.COMPILED:
-            self.sites.put(site_ops, signatures)
-            self.stats.recompiles += signatures > 1
-        if decision.verdict is Verdict.EAGER:
-            self.stats.fallback("<region>", str(decision.reason), len(region.nodes), source=False)
-            return None
+        if decision.action is Action.GENERALISE:
+            return self.sites.generalise(segment, region, site, state.changes)
         return self._compile(segment, region, site)
 
-    def _give_up(self, region: Region, reason: Reason) -> None:
-        self.regions.put(region.key, FAILED)
-        self.offset_free.put(without_offsets(region.key), FAILED)  # at other offsets it fails alike
-        self.stats.fallback("<region>", str(reason), len(region.nodes), source=False)
+    def _count_miss(self, decision: Decision, state: RegionState, segment: Segment, region: Region) -> None:
+        """A region compiled at a miss, or refused: a cache miss; in compiled mode a signature more
+        at its site (a recompile after the first), or at a generic site a compile again."""
+        self.stats.cache_misses += 1
+        compiled_mode = segment.settings.mode is Mode.COMPILED
+        if type(state) is Waiting:
+            if compiled_mode:
+                self.memory.sites.put(_site_ops(segment, region), state.signatures)
+                self.stats.recompiles += state.signatures > 1
+        elif decision.action is Action.GENERALISE or decision.reason.why is Why.ZERO_ONE_SIZE:
+            self.stats.recompiles += compiled_mode  # another compile at a site compiled before
 
     def _compile(self, segment: Segment, region: Region, site):
         """The region compiled now, or (compiling in the background) None while its ops run eagerly;
         `site`: its generic.Site, if it has one, which counts the compile."""
         from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
 
-        in_flight = sum(1 for entry in self.regions.values() if type(entry) is Compiling)
+        in_flight = sum(1 for entry in self.memory.regions.values() if type(entry) is Compiling)
         name = f"region{len(self.stats.regions) + in_flight + 1}"
         started = time.perf_counter()
         passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
@@ -158,40 +246,34 @@ class RegionCompiler:
             gm = build_graph(segment, region)
             inputs = region.arguments(segment)
             if compiles_in_background(segment.settings):
-                compiled = self.in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
+                compiled = in_compiler_thread(compile_in_background, gm, inputs, DEVICE.spec, name, after)
             else:
-                compiled = self.in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
+                compiled = in_compiler_thread(compile_graph, gm, inputs, DEVICE.spec, name=name,
                                                    native_after_runs=after)
         except Exception as error:  # a compiler failure degrades to eager, with the reason kept
-            return self._give_up(region, compile_failure(error))
+            return give_up(self.memory, self.stats, region, compile_failure(error))
         if isinstance(compiled, background.Job):
             compiling = Compiling(compiled, gm, site)
-            self.regions.put(region.key, compiling)
-            self.offset_free.put(without_offsets(region.key), compiling)  # a region at other offsets waits for it
+            self.memory.regions.put(region.key, compiling)
+            self.memory.offset_free.put(without_offsets(region.key), compiling)  # a region at other offsets waits for it
             self.stats.background_compiles += 1
             self.stats.compiling_ops += len(region.nodes)
             return None
         return self._compiled(segment, region, site, compiled, started, cached=cache.stats.compiles == passes_run)
 
-    def _when_compiled(self, segment: Segment, region: Region, compiling: "Compiling"):
-        """The region compiling in the background, put to use once it is compiled; None until then."""
+    def _take_in(self, segment: Segment, region: Region, compiling: "Compiling"):
+        """The region's finished background compile, put to use."""
         from ..compiler import finish
 
         job = compiling.job
-        if not job.done():
-            self.stats.compiling_ops += len(region.nodes)
-            return None
-        if job.lost is not None:  # the compile process failed (it warned): compile here instead
-            self.regions.pop(region.key, None)  # absent where the region came at another offset
-            return self._compile(segment, region, compiling.site)
         DEVICE.timeline.host("compile process", job.name, job.submitted, job.finished - job.submitted,
                              ops=len(region.nodes), seconds_compiling=job.seconds)
         started = time.perf_counter()
         try:
-            compiled = self.in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
+            compiled = in_compiler_thread(finish, job, compiling.gm, DEVICE.spec,
                                                native_after_runs(segment.settings.mode))
         except Exception as error:
-            return self._give_up(region, compile_failure(error))
+            return give_up(self.memory, self.stats, region, compile_failure(error))
         return self._compiled(segment, region, compiling.site, compiled, started, background_seconds=job.seconds)
 
     def _compiled(self, segment: Segment, region: Region, site, compiled, started: float, cached: bool = False,
@@ -202,14 +284,14 @@ class RegionCompiler:
         DEVICE.timeline.host("compilation", compiled.name, started, seconds, ops=len(region.nodes))
         entry = CompiledEntry(compiled, region, seconds, compiled.name,
                               tuple(sorted({segment.nodes[n].plan.name for n in region.nodes})))
-        self.regions.put(region.key, entry)
+        self.memory.regions.put(region.key, entry)
         self._serve_other_offsets(region, entry, reads_offsets(compiled.source, compiled.gm))
         self.events.publish(events.RegionCompiled(
             compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
             cached=cached, background_seconds=background_seconds))
         if site is not None:
-            self._count_compile(site, entry.name)
+            self.sites.count_compile(site, entry.name)
         return entry
 
     def _serve_other_offsets(self, region: Region, entry: CompiledEntry, reads: bool) -> None:
@@ -217,15 +299,9 @@ class RegionCompiler:
         offsets. Keys still waiting for the compile it came from (a background compile, taken in at
         another offset than it was asked for) get the entry too: none compiles it again."""
         loose = without_offsets(region.key)
-        waiting = self.offset_free.get(loose)
+        waiting = self.memory.offset_free.get(loose)
         if type(waiting) is Compiling:
-            for key in [key for key, value in self.regions.items() if value is waiting]:
-                self.regions[key] = entry
-        self.offset_free.put(loose, READS_OFFSETS if reads else entry)
+            for key in [key for key, value in self.memory.regions.items() if value is waiting]:
+                self.memory.regions[key] = entry
+        self.memory.offset_free.put(loose, READS_OFFSETS if reads else entry)
 
-    @staticmethod
-    def in_compiler_thread(compile_fn, *args, **kwargs):
-        """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
-        a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
-        dispatch state breaks that tracing. A thread of its own starts from clean state."""
-        return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()

@@ -94,13 +94,13 @@ def explain(region: str | None = None, passes: bool = False) -> str:
     kernels, the launches with what stays in SBUF, their cost, and every refused fusion with its
     reason. `passes=True` shows the region after every pass instead of after the last."""
     # one compile may serve several keys (a region at other input offsets): each entry once
-    entries = list(dict.fromkeys(e for e in list(RUNTIME.regions.values()) if isinstance(e, CompiledEntry)))
+    entries = list(dict.fromkeys(e for e in list(RUNTIME.memory.regions.values()) if isinstance(e, CompiledEntry)))
     if region is not None:
         chosen = [e for e in entries if e.name == region]
         if not chosen:
             names = ", ".join(e.name for e in entries) or "none"
-            compiling = sum(1 for e in list(RUNTIME.regions.values()) if isinstance(e, Compiling)) + \
-                sum(1 for site in list(RUNTIME.generic_sites.values()) if site.compiling is not None)
+            compiling = sum(1 for e in list(RUNTIME.memory.regions.values()) if isinstance(e, Compiling)) + \
+                sum(1 for site in list(RUNTIME.memory.generic_sites.values()) if site.compiling is not None)
             also = f" ({compiling} compiling in the background: tilewise.wait_for_compiles())" if compiling else ""
             raise ConfigError(f"no compiled region named {region!r}; the cache holds: {names}{also}")
         entries = chosen

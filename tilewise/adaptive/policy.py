@@ -11,16 +11,40 @@
     `recompile_limit` signatures per site (compiled mode), `generalise_limit` generic compiles.
     What does not compile runs eagerly with a typed reason (`Why`, tilewise/reasons.py) in stats().
 
-This module is pure: the runtime asks it, it decides from counts it is given.
+A region at a flush is in one state (`RegionState`); `decide` gives the action:
+
+    Compiled           its key's compile, or its key's at other input offsets -> RUN_COMPILED
+    Failed(reason)     held since its compile failed or it was given up        -> RUN_EAGER, for good
+    InFlight(job)      its compile in the compile process: running -> AWAIT (eager meanwhile),
+                       done -> TAKE_IN, lost -> COMPILE here
+    Unsupported        cannot compile as it is (views in two dtypes)           -> GIVE_UP: held Failed
+    Waiting            nothing held: compiled mode -> COMPILE, up to recompile_limit + 1 signatures
+                       per site, then REFUSE; adaptive -> WAIT while its sizes change or its segment
+                       is settling and it has not recurred, else COMPILE
+    Resized            its site met other sizes: the site's generic compile running -> AWAIT, done ->
+                       TAKE_IN (and look again); admitted by the generic region -> RUN_GENERIC;
+                       generalise_limit reached -> REFUSE; adaptive, settling, not recurred -> WAIT;
+                       a changing size of 0 or 1 -> REFUSE; else GENERALISE
+
+Per segment: `is_dynamic` (its ops keep coming with new shapes or constants), `is_settling` (its
+regions wait until they recur) and `plan_kept` (its plan replayed as it is, while only floats
+change, or analysed again). This module is pure: the runtime observes (counts, cache entries),
+asks, and does what it is told, counting it in stats().
 """
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..reasons import Reason, Why
+
+if TYPE_CHECKING:
+    from .compiling import Compiling
+    from .regions import CompiledEntry
+    from .shapes import Changes
 
 
 class Mode(str, enum.Enum):
@@ -44,18 +68,6 @@ class Settings(NamedTuple):
     background_compile: bool = False  # config.background_compile == "on"
 
 
-class Verdict(enum.Enum):
-    COMPILE = "compile"
-    GENERALISE = "generalise"  # compile one shape-generic region for the site's changing sizes
-    WAIT = "wait"      # run its nodes eagerly this time; it may compile when it comes again
-    EAGER = "eager"    # give up on this region (a reason says why)
-
-
-class Decision(NamedTuple):
-    verdict: Verdict
-    reason: Reason | None = None
-
-
 def compiles_in_background(settings: Settings) -> bool:
     """Adaptive mode compiles a region in the compile process and runs its ops eagerly until the
     code is there (a tiered JIT: no step waits for the passes); compiled mode was asked to compile
@@ -76,34 +88,182 @@ def stable_after(mode: Mode, threshold: int) -> int:
     return 1 if mode is Mode.COMPILED else threshold
 
 
-def on_region_miss(mode: Mode, settling: bool, sightings: int, signatures: int, recompile_limit: int,
-                   sizes_change: bool = False) -> Decision:
-    """A region whose key is not in the cache, the first signature at its site. `settling`: other
-    nodes of its segment are still warming up (they are neither stable nor dynamic), so the region
-    may still grow; `sightings` counts the flushes that formed it (this one included),
-    `signatures` the regions compiled at its site (the same ops, other shapes or constants), this
-    one included; `sizes_change`: some of its nodes are stable only without their sizes."""
+# -- a segment at a flush --------------------------------------------------------------------------
+
+def is_dynamic(*, skeleton_flushes: int, threshold: int) -> bool:
+    """Whether the nodes of a segment that are not stable keep changing (`Why.DYNAMIC`: their
+    shapes or constants) rather than warm up: the segment's ops without shapes came in more than
+    `threshold` flushes."""
+    return skeleton_flushes > threshold
+
+
+def is_settling(*, dynamic: bool, every_node_stable: bool, block_ends: bool) -> bool:
+    """Whether a region of the segment should wait until it recurs (`decide`'s `settling`): other
+    nodes are still warming up, so the region may still grow; or the engine block ends with this
+    segment, and nothing after it in the block would run a compile made for it."""
+    return not dynamic and not every_node_stable or block_ends
+
+
+class Kept(enum.Enum):
+    """How a segment's plan (its regions, their compiles, its eager nodes, their order) is kept."""
+    FINAL = "replayed while its node signatures recur"
+    WHILE_FLOATS_CHANGE = "replayed while only constants of its eager nodes change"
+    NOT = "the segment is analysed again at its next flush"
+
+
+def plan_kept(*, every_node_stable: bool, every_region_served: bool, dynamic: bool, compiling: bool,
+              eager_nodes_follow_floats: bool) -> Kept:
+    """Final once every node is stable and every region is served (no compile waits or was
+    refused). Else, in a dynamic segment of a compiling mode whose regions are all served and
+    whose eager nodes each have floats or read a value that does (a learning-rate schedule, Adam's
+    bias corrections), the same plan serves while only those floats change; any other eager node is
+    warming up (its shapes recur, as a cycle of lengths does) and the segment is analysed again, to
+    compile when it has become stable."""
+    if every_node_stable and every_region_served:
+        return Kept.FINAL
+    if dynamic and compiling and every_region_served and eager_nodes_follow_floats:
+        return Kept.WHILE_FLOATS_CHANGE
+    return Kept.NOT
+
+
+# -- a region at a flush: its state, the decision, the action ----------------------------------
+#
+# What the engine holds for a region key (memory.regions; memory.offset_free by the key without
+# input offsets): a `regions.CompiledEntry` (compiled), a `compiling.Compiling` (its compile runs in
+# the compile process), or `Failed` (the compiler failed on it, or it cannot compile as it is). At
+# each flush the runtime (compiling.py) observes the region as one of the states below, asks
+# `decide`, and performs the action, counting it in stats().
+
+class Job(enum.Enum):
+    """A compile in the compile process, as the runtime finds it at a flush."""
+    RUNNING = "running"
+    DONE = "done"
+    LOST = "lost"  # the compile process failed (it warned)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Held for a region that runs eagerly for good (at every input offset), and why: its
+    compile failed, or the region was given up (`Unsupported`, a size its generic region's
+    programs do not lower or lay out as recorded)."""
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compile serves the region: made for its key, or for its key at other input offsets
+    (whose graphs read no offset)."""
+    entry: "CompiledEntry"
+    at_other_offsets: bool = False
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Its compile (for its key or its key at other offsets) runs in the compile process."""
+    compiling: "Compiling"
+    job: Job
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Nothing held, and the region cannot compile as it is (`Why.MIXED_DTYPE_VIEWS`)."""
+    reason: Reason
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Nothing held and its site has met no other sizes: it warms up until it compiles."""
+    sightings: int      # flushes that formed it (at any input offset), this one included
+    signatures: int     # compiled mode: regions compiled at its site (same ops), this one included
+    sizes_change: bool  # some of its nodes are stable only without their sizes
+
+
+@dataclass(frozen=True)
+class Resized:
+    """Nothing held, and its site (its ops and layouts without sizes) met other sizes or ints
+    than its first: its site's one shape-generic region serves it, or is compiled."""
+    job: Job | None                   # the site's generic compile in the compile process, if one runs
+    # the site's generic region's arguments here, where its guards admit them (job None)
+    arguments: list | None = None
+    # with job and arguments None: what a generic compile would weigh
+    sightings: int = 0                # flushes that met the site with no generic region for them, this one included
+    generalisations: int = 0          # generic compiles made at the site
+    zero_or_one: bool = False         # a size that changes is 0 or 1 here (PyTorch specialises those)
+    changes: "Changes | None" = None  # what the generic region would take as symbolic (all seen at the site)
+
+
+RegionState = Failed | Compiled | InFlight | Unsupported | Waiting | Resized
+
+
+class Action(enum.Enum):
+    RUN_COMPILED = "run the compile that serves it"
+    RUN_GENERIC = "run its site's shape-generic region at these sizes"
+    RUN_EAGER = "run its nodes eagerly: it failed before"
+    AWAIT = "run its nodes eagerly while its compile runs in the compile process"
+    TAKE_IN = "take in the finished compile from the compile process"
+    WAIT = "run its nodes eagerly this time; it may compile when it comes again"
+    COMPILE = "compile it (adaptive mode with background compiles: send it to the compile process)"
+    GENERALISE = "compile one shape-generic region for its site"
+    REFUSE = "run its nodes eagerly this time, the reason counted"
+    GIVE_UP = "hold it as Failed (eager from now on), the reason counted"
+
+
+class Decision(NamedTuple):
+    action: Action
+    reason: Reason | None = None
+
+
+def decide(*, state: RegionState, mode: Mode, settling: bool, recompile_limit: int,
+           generalise_limit: int) -> Decision:
+    """What the engine does with a region at a flush. `settling`: other nodes of its segment are
+    still warming up (neither stable nor dynamic), so the region may still grow, or the engine
+    block ends here. Adaptive mode compiles a region once its segment has settled or it has
+    recurred (no compile goes unused); compiled mode compiles at first sight, up to
+    `recompile_limit` + 1 signatures per site; a site generalises up to `generalise_limit` times."""
+    match state:
+        case Compiled():
+            return Decision(Action.RUN_COMPILED)
+        case Failed(reason):
+            return Decision(Action.RUN_EAGER, reason)
+        case InFlight(job=Job.RUNNING):
+            return Decision(Action.AWAIT)
+        case InFlight(job=Job.LOST):
+            return Decision(Action.COMPILE)  # here, in this process
+        case InFlight():
+            return Decision(Action.TAKE_IN)
+        case Unsupported(reason):
+            return Decision(Action.GIVE_UP, reason)
+        case Waiting():
+            return _on_miss(state, mode, settling, recompile_limit)
+        case Resized():
+            return _at_other_sizes(state, mode, settling, generalise_limit)
+    raise TypeError(f"not a region state: {state!r}")
+
+
+def _on_miss(state: Waiting, mode: Mode, settling: bool, recompile_limit: int) -> Decision:
     if mode is Mode.COMPILED:
-        if signatures > recompile_limit + 1:
-            return Decision(Verdict.EAGER, Reason(Why.RECOMPILE_LIMIT, f"{recompile_limit} reached"))
-        return Decision(Verdict.COMPILE)
-    if sizes_change or settling and sightings < 2:
-        return Decision(Verdict.WAIT, Reason(Why.NOT_RECURRED))
-    return Decision(Verdict.COMPILE)
+        if state.signatures > recompile_limit + 1:
+            return Decision(Action.REFUSE, Reason(Why.RECOMPILE_LIMIT, f"{recompile_limit} reached"))
+        return Decision(Action.COMPILE)
+    if state.sizes_change or settling and state.sightings < 2:
+        return Decision(Action.WAIT, Reason(Why.NOT_RECURRED))
+    return Decision(Action.COMPILE)
 
 
-def on_other_sizes(mode: Mode, settling: bool, sightings: int, generalisations: int,
-                   generalise_limit: int) -> Decision:
-    """A region site meets a signature that differs from its first only in sizes or int
-    arguments, and no generic region of the site admits it: generalise (again, with the union of
-    what changed), up to `generalise_limit` generic compiles per site. As for a static region,
-    adaptive mode waits while the segment is settling until the site has recurred (`sightings`:
-    flushes that formed a region at the site, this one included)."""
-    if generalisations >= generalise_limit:
-        return Decision(Verdict.EAGER, Reason(Why.GENERALISE_LIMIT, f"{generalise_limit} reached"))
-    if mode is Mode.ADAPTIVE and settling and sightings < 2:
-        return Decision(Verdict.WAIT, Reason(Why.NOT_RECURRED))
-    return Decision(Verdict.GENERALISE)
+def _at_other_sizes(state: Resized, mode: Mode, settling: bool, generalise_limit: int) -> Decision:
+    if state.job is Job.RUNNING:
+        return Decision(Action.AWAIT)
+    if state.job is not None:
+        return Decision(Action.TAKE_IN)  # then the site is observed again
+    if state.arguments is not None:
+        return Decision(Action.RUN_GENERIC)
+    if state.generalisations >= generalise_limit:
+        return Decision(Action.REFUSE, Reason(Why.GENERALISE_LIMIT, f"{generalise_limit} reached"))
+    if mode is Mode.ADAPTIVE and settling and state.sightings < 2:
+        return Decision(Action.WAIT, Reason(Why.NOT_RECURRED))
+    if state.zero_or_one:  # no trace to generalise from; it waits for another size
+        return Decision(Action.REFUSE, Reason(Why.ZERO_ONE_SIZE))
+    return Decision(Action.GENERALISE)
 
 
 # record_stream tells a CUDA-style allocator that another stream still reads a tensor; each op here

@@ -28,14 +28,14 @@ from ..eager.executor import INDEXING, check_device, execute, indices_on_device,
 from ..eager.plan import is_random, plan_of
 from ..errors import CompileError, NeuronOutOfMemoryError
 from . import analysis, events, interrupts, scalars
-from .caches import BoundedCache, CacheSize
+from .memory import EngineMemory
 from .analysis import NodeStep
 from .regions import RegionStep, describe, needed_values
-from .policy import (Mode, Reason, Settings, Why, copies_to_host, draws_random, runs_now, shape_reads_data,
-                     stable_after)
+from .policy import (Kept, Mode, Reason, Settings, Why, copies_to_host, draws_random, is_dynamic, is_settling,
+                     plan_kept, runs_now, shape_reads_data, stable_after)
 from .compiling import RegionCompiler, on_compiler_thread
 from .generic import GenericSites
-from .plans import CachedPlans
+from .plans import CachedPlans, count_eager
 from .steps import StepRunner, Unfinished, every_node
 from .segment import OtherCore, Segment, Unrecordable
 from .stats import Stats
@@ -64,7 +64,12 @@ class OpInfo(NamedTuple):
     special: bool             # rewritten, decomposed, a view twin or cuda_inputs.OPS: dispatch's slow path
 
 
-class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
+class Runtime:
+    """The engine: records ops (`dispatch`) and, at a flush, plans and runs the segment. What it
+    remembers is `memory` (memory.py); its parts get what they use: `planner` (plans.py: a
+    segment's cached plan, or the analysis `_plan`), `compiler` (compiling.py: each region as
+    policy.decide says), `generic` (generic.py: sites whose sizes change), `runner` (steps.py)."""
+
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
@@ -78,47 +83,22 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
+        self.runner = StepRunner(self.stats, self.unfinished)
+        self.memory = EngineMemory()  # every cache the engine consults
+        # its parts, each given what it uses: sizes that change, regions, segment plans
+        self.generic = GenericSites(self.memory, self.stats, self.events)
+        self.compiler = RegionCompiler(self.memory, self.stats, self.events, self.generic)
+        self.planner = CachedPlans(self.memory, self.stats, self.events, self.generic, analyse=self._plan)
         self.reset_caches()
-        self.stats.cache_sizes = self.cache_sizes
+        self.stats.cache_sizes = self.memory.cache_info
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
         DEVICE.touch_checks.append(self.touches)
 
     def reset_caches(self) -> None:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
         self.flush("caches reset")
-        def signatures():
-            return config.signature_cache_size
-
-        def regions():
-            return config.region_cache_size
-
-        self.meta_cache = BoundedCache(signatures)   # hash(node.local) -> (node.local, output metadata or why none)
-        self.seen = BoundedCache(signatures)         # fingerprint -> flushes it was seen in
-        self.scalar_sites = BoundedCache(signatures)  # a node's signature without floats -> first seen
-        self.plans = BoundedCache(regions)           # (node fingerprints, aliasing) -> plans.Plan
-        # plans of segments whose eager nodes change constants every flush, keyed without floats
-        self.dynamic_plans = BoundedCache(regions)
-        # (shape-free fingerprints, aliasing) -> a final plan's steps, regions as their node indices
-        self.size_free_plans = BoundedCache(regions)
-        self.regions = BoundedCache(regions)
-        # region key without offsets -> its compile where its graphs read no offset (any offset's
-        # region runs it), READS_OFFSETS where they do, or the Compiling under way
-        self.offset_free = BoundedCache(regions)
-        self.sites = BoundedCache(signatures)        # compiled mode: signatures per site
-        self.sightings = BoundedCache(signatures)    # region key -> flushes that formed it
-        # segment skeletons (its ops without shapes) -> flushes: tells dynamic nodes from warming up
-        self.skeletons = BoundedCache(signatures)
-        self.generic_sigs = BoundedCache(signatures)  # node.sig -> its form without sizes (shapes.py)
-        self.seen_generic = BoundedCache(signatures)  # shape-free fingerprint -> flushes it was seen in
-        self.last_sigs = BoundedCache(signatures)     # (shape-free fingerprint, k-th in its segment) -> its last node.sig
-        self.generic_sites = BoundedCache(regions)    # region key without sizes -> its Site
+        self.memory.reset()
         self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
-
-    def cache_sizes(self) -> dict[str, CacheSize]:
-        return {name: getattr(self, name).size() for name in
-                ("meta_cache", "seen", "scalar_sites", "plans", "dynamic_plans", "size_free_plans", "regions",
-                 "offset_free", "sites", "sightings", "skeletons", "generic_sigs", "seen_generic", "last_sigs",
-                 "generic_sites")}
 
     # -- per op ---------------------------------------------------------------------------------
     def create(self, func, args, kwargs, settings: Settings):
@@ -165,8 +145,8 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                 try:
                     full = False
                     try:
-                        result = self.segment.record(func, args, kwargs, settings, self.meta_cache,
-                                                     self.scalar_sites)
+                        result = self.segment.record(func, args, kwargs, settings, self.memory.meta_cache,
+                                                     self.memory.scalar_sites)
                     except OtherCore:
                         result = self._record_on_its_core(func, args, kwargs, settings)
                     except NeuronOutOfMemoryError:
@@ -238,7 +218,7 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         reason = self._enter_core(args, kwargs)
         if reason is not None:
             raise Unrecordable(reason)
-        return self.segment.record(func, args, kwargs, settings, self.meta_cache, self.scalar_sites)
+        return self.segment.record(func, args, kwargs, settings, self.memory.meta_cache, self.memory.scalar_sites)
 
     def _eagerly(self, func, args, kwargs, reason: Reason):
         """Run an op the segment cannot take now, after flushing what was recorded before it."""
@@ -342,9 +322,9 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
                     if work.steps is None:
                         self._run_segment(work.segment)
                     else:
-                        self._run_steps(work.segment, work.steps)
+                        self.runner.run(work.segment, work.steps)
             except Exception:
-                raise  # the steps computed what they could (_run_steps)
+                raise  # the steps computed what they could (StepRunner.run)
             except BaseException:
                 if work.steps is None and not (self.unfinished and self.unfinished[0].segment is work.segment):
                     self.unfinished.insert(0, work)  # stopped before it ran a step
@@ -363,27 +343,28 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
 
     def _run_segment(self, segment: Segment) -> None:
         try:
-            steps = self._steps_for(segment)
+            steps = self.planner.steps_for(segment)
         except Exception:  # a bug of the engine's own: surface it, with every value computed
-            self._run_tolerant(segment, every_node(segment))
+            self.runner.run_tolerant(segment, every_node(segment))
             raise
-        self._run_steps(segment, steps)
+        self.runner.run(segment, steps)
 
-    def _plan(self, segment: Segment):
+    def _plan(self, segment: Segment) -> tuple[list, Kept]:
+        """Analyse a segment: its steps, and how its plan is kept (policy.plan_kept)."""
         # an analysis and its compiles make far more objects than recording, cycles among them
         # (fx graphs): the collector runs from here
         self._collector.end()
         nodes, mode = segment.nodes, segment.settings.mode
         self.stats.analyses += 1
         for fp in {n.fp for n in nodes}:
-            self.seen.count(fp)
+            self.memory.seen.count(fp)
         compiling = mode is not Mode.EAGER
         threshold = stable_after(mode, segment.settings.threshold)
-        stable = {i for i, n in enumerate(nodes) if compiling and self.seen.get(n.fp, 0) >= threshold}
+        stable = {i for i, n in enumerate(nodes) if compiling and self.memory.seen.get(n.fp, 0) >= threshold}
         # sizes that change: a node whose shape-free fingerprint recurs is stable all the same
         sized, before = set(), {}
         if compiling and config.generalise_limit and len(stable) < len(nodes):
-            sized, before = self._stable_without_sizes(nodes, stable, threshold)
+            sized, before = self.generic.stable_without_sizes(nodes, stable, threshold)
             stable |= sized
         graph = analysis.dataflow_graph(nodes)
         # a region of views and allocations only (an unused `empty` a composite op leaves)
@@ -393,44 +374,30 @@ class Runtime(GenericSites, RegionCompiler, CachedPlans, StepRunner):
         order = analysis.execution_order(graph, members, len(nodes))
         needed = needed_values(segment, members)
         skeleton = tuple(n.func for n in nodes)
-        dynamic = self.skeletons.count(skeleton) > threshold
+        dynamic = is_dynamic(skeleton_flushes=self.memory.skeletons.count(skeleton), threshold=threshold)
         floating = analysis.float_dependent(nodes)
-        steps, final, compiled_all = [], len(stable) == len(nodes), True
-        # a region may still grow while its neighbours warm up; the block's last segment has
-        # nothing after it in this block to reuse a compile: either way, compile what recurs
-        settling = not dynamic and not final or self._ending
+        steps, every_node_stable, served = [], len(stable) == len(nodes), True
+        settling = is_settling(dynamic=dynamic, every_node_stable=every_node_stable, block_ends=self._ending)
         for step in order:
             if isinstance(step, NodeStep):
                 steps.append(step)
                 if compiling:  # a node whose floats were just lifted is warming up with its new fingerprint
-                    self._count_dynamic(nodes[step.index], dynamic and nodes[step.index].lifts is None)
+                    count_eager(self.stats, nodes[step.index], dynamic and nodes[step.index].lifts is None)
                 continue
             region = describe(segment, members[step.index], needed)
-            entry = self._entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
+            entry = self.compiler.entry(segment, region, settling, not sized.isdisjoint(region.nodes), before)
             if entry is None:
-                final = compiled_all = False
+                served = False
                 steps.extend(NodeStep(i) for i in region.nodes)
             else:
                 steps.append(RegionStep(region, entry))
         self.stats.regions_found += len(members)
         if self.events.wants(events.SegmentRan):
             self.events.publish(events.segment_event(self.stats.segments, segment, graph, stable, steps, dynamic))
-        # Reusable without analysis while only floats change: every eager node has floats or reads
-        # a value that does. Any other eager node is warming up (its shapes recur, as a cycle of
-        # lengths does) and must be analysed again, to compile when it has become stable.
         floats_only = all(floating[step.index] or not nodes[step.index].plan.kernel
                           for step in steps if isinstance(step, NodeStep))
-        return steps, final, dynamic and compiling and compiled_all and floats_only
-
-    def _count_dynamic(self, node, dynamic: bool) -> None:
-        """Say why a node stayed eager: still warming up, or the same ops keep coming with new
-        shapes or constants (the segment's skeleton has been seen more than `threshold` times)."""
-        if not node.plan.kernel:
-            return  # a view (taken at record time) or an allocation: no compute runs eagerly
-        if dynamic:
-            self.stats.fallback(node.plan.name, Why.DYNAMIC.value, source=False)
-        else:
-            self.stats.warmup_ops += 1
+        return steps, plan_kept(every_node_stable=every_node_stable, every_region_served=served, dynamic=dynamic,
+                                compiling=compiling, eager_nodes_follow_floats=floats_only)
 
 
 def _rewrite_of(func) -> Callable | None:

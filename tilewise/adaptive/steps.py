@@ -2,34 +2,42 @@
 
 An op that fails raises its error after every other value is computed (a step that fails again
 has its outputs filled, never left unwritten); an interrupt leaves the steps not yet run queued in
-`unfinished`, for the next read to compute. The Runtime inherits these methods."""
+`unfinished`, for the next read to compute. The runtime holds one StepRunner, given its statistics
+and its queue of unfinished work."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import regions
 from .analysis import NodeStep
 from .regions import RegionStep
 from .segment import VIEW, Segment, fill_failed
 
+if TYPE_CHECKING:
+    from .stats import Stats
+
 
 class StepRunner:
-    """The Runtime's step execution (needs its `stats` and `unfinished`)."""
+    """Runs a segment's steps, counting them in `stats`; work an interrupt stopped goes to the
+    front of `unfinished` (the runtime's queue, shared)."""
 
-    def _run_steps(self, segment: Segment, steps) -> None:
+    def __init__(self, stats: Stats, unfinished: list):
+        self.stats, self.unfinished = stats, unfinished
+
+    def run(self, segment: Segment, steps) -> None:
         for done, step in enumerate(steps):
             try:
                 self._run_step(segment, step)
             except Exception:
                 # An op failed (as it would have eagerly, where the user sees it): raise it, but
                 # first compute everything else, so no value the program holds stays unwritten.
-                self._run_tolerant(segment, _node_steps(step) + list(steps[done + 1:]))
+                self.run_tolerant(segment, _node_steps(step) + list(steps[done + 1:]))
                 raise
             except BaseException:
                 self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
                 raise
 
-    def _run_tolerant(self, segment: Segment, steps) -> None:
+    def run_tolerant(self, segment: Segment, steps) -> None:
         """Run steps after a failure: a step that fails again has its outputs filled (NaN, or zero
         for integers), never left as unwritten memory."""
         for done, step in enumerate(steps):
@@ -37,7 +45,7 @@ class StepRunner:
                 self._run_step(segment, step)
             except Exception:
                 if isinstance(step, RegionStep):
-                    self._run_tolerant(segment, _node_steps(step))
+                    self.run_tolerant(segment, _node_steps(step))
                 else:
                     fill_failed(segment.nodes[step.index])
             except BaseException:
