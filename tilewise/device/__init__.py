@@ -4,7 +4,7 @@ from .backend import (allow_loading, backward_on_calling_thread, convert_modules
 
 register()  # first: everything below names torch.device("neuron")
 
-from . import serialization, unsupported  # noqa: E402
+from . import generators, serialization, unsupported  # noqa: E402
 from .accelerator import answer_accelerator_api  # noqa: E402
 from .parallel import data_parallel_across_cores  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
@@ -23,6 +23,7 @@ answer_accelerator_api()
 data_parallel_across_cores()
 unsupported.refuse_storages()
 unsupported.refuse_nested()
+generators.install()
 
 __all__ = ["DEVICE", "Device", "DeviceSpec", "NEURON", "NeuronTensor", "PRESETS", "TRN2", "TRN3",
            "preset", "wrap"]

@@ -9,11 +9,6 @@
   neuron values reaches us with meta offsets; moved with .to("neuron") its forward ops run, but
   its backward aborts the process in the autograd engine (torch 2.13): refused too, at its
   constructors and at its _to_copy (torch.nested._internal.ops' table of jagged kernels).
-- Generators: torch.Generator(device="neuron") raises PyTorch's own NotImplementedError. The C++
-  PythonHooks of torch 2.13 (torch/csrc/acc/Module.cpp) route getNewGenerator and
-  getDefaultGenerator to the base class, which raises, and torch.Generator is a C type whose
-  constructor Python cannot take over. Random ops on neuron draw from the host's generators, so a
-  CPU torch.Generator passed as generator= (or torch.manual_seed) is what serves.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import backward_errors
+from ..device import backward_errors, generators
 from ..device.cost import compute_rate
 from ..device.runtime import DEVICE
 from ..device.tensor import TRACED, NeuronTensor, foreign_subclass, wrap, wrap_output
@@ -32,12 +32,13 @@ counters = Counters()
 
 class _Traffic:
     """What one pass over an op's arguments learns: HBM bytes read, the largest input, and the
-    cores involved (the inputs', a second one for a transfer, and a `device=` destination)."""
-    __slots__ = ("bytes", "numel", "core", "other", "dest")
+    cores involved (the inputs', a second one for a transfer, and a `device=` destination), and
+    a neuron generator with the CPU twin its kernel draws from."""
+    __slots__ = ("bytes", "numel", "core", "other", "dest", "generator")
 
     def __init__(self):
         self.bytes = self.numel = 0
-        self.core = self.other = self.dest = None
+        self.core = self.other = self.dest = self.generator = None
 
     def destination(self) -> int:
         """The core the op's outputs live on."""
@@ -154,7 +155,10 @@ def _run(func, args, kwargs):
     to_host = False
     if kwargs:
         kwargs, to_host = _unwrap_kwargs(kwargs, plan, traffic)
-    out = func(*host_args, **kwargs)
+    if traffic.generator is None:
+        out = func(*host_args, **kwargs)
+    else:
+        out = _drawing(traffic.generator, func, host_args, kwargs)
     counters.ops += 1
     core = traffic.destination()
     if plan.aliases is not None:
@@ -224,6 +228,9 @@ def _unwrap(seq, plan: OpPlan, traffic: _Traffic) -> list:
             host.append(_host_tensor_arg(arg, plan, traffic))
         elif type(arg) is list or type(arg) is tuple:
             host.append(_unwrap(arg, plan, traffic))
+        elif generators.is_neuron(arg):
+            traffic.generator = (arg, generators.host_twin(arg))
+            host.append(traffic.generator[1])
         else:
             host.append(arg)
     return host
@@ -266,6 +273,15 @@ def _traced_host(arg: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._to_copy.default(arg, device=CPU)
 
 
+def _drawing(pair, func, host_args, host_kwargs):
+    """CPU's kernel drawing from the CPU twin of a neuron generator, whose state the draw advances."""
+    generator, twin = pair
+    try:
+        return func(*host_args, **host_kwargs)
+    finally:
+        generators.write_back(generator, twin)
+
+
 def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict, bool]:
     host = {}
     to_host = False
@@ -278,8 +294,8 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict,
             value = CPU
         elif isinstance(value, _Tensor):
             value = _unwrap((value,), plan, traffic)[0]
-        elif type(value) is list or type(value) is tuple:
-            value = _unwrap(value, plan, traffic)
+        elif type(value) is list or type(value) is tuple or generators.is_neuron(value):
+            value = _unwrap((value,), plan, traffic)[0] if generators.is_neuron(value) else _unwrap(value, plan, traffic)
         host[key] = value
     if not to_host:
         _check_dense(kwargs, plan)

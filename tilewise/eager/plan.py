@@ -48,7 +48,8 @@ class OpPlan(NamedTuple):
     call: Callable                 # calls the op on host tensors (an OpOverload's C++ entry: no Python frame)
     # what the executor's fast path may run: a plain op (no composite, nothing returned it wrote,
     # no transfer between devices, CPU's kernel whatever the inputs: not cuda_inputs.OPS)
-    # whose only arguments are device tensors and Python scalars
+    # whose only arguments are device tensors and Python scalars (not a generator, which may be a
+    # neuron generator standing for a CPU one: executor._unwrap)
     simple: bool
 
 
@@ -152,8 +153,13 @@ def _make_plan(func) -> OpPlan:
         func=func,
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
-        simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS,
+        simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS
+        and not _takes_a_generator(schema),
     )
+
+
+def _takes_a_generator(schema) -> bool:
+    return any(str(arg.type) in ("Generator", "Optional[Generator]") for arg in schema.arguments)
 
 
 def is_random(func) -> bool:
