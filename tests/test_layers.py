@@ -1,8 +1,14 @@
 """What `import tilewise` costs a program: the engine's layers that a program only needs once it
 compiles (the compiler, Dynamo for torch.compile, networkx for the stability analysis) load on
 first use, not at import."""
+import ast
+import os
 import subprocess
 import sys
+
+import networkx
+
+import tilewise
 
 LAZY = ("tilewise.compiler", "torch._dynamo", "networkx")
 
@@ -19,3 +25,76 @@ def test_the_torch_compile_backend_is_found_through_the_entry_point_alone():
              "lookup_backend('tilewise'); print('tilewise.compiler.backend' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True", done.stdout + done.stderr
+
+
+# The package's layers, lowest first: a module imports (at module level or inside a function) only
+# from its own layer or lower ones. The most specific prefix names a module's layer.
+LAYERS = (
+    ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads",
+     "tilewise.collector", "tilewise.settings_doc"),
+    ("tilewise.device", "tilewise.distributed.cost"),
+    ("tilewise.eager",),
+    ("tilewise.compiler",),
+    ("tilewise.adaptive",),
+    ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
+)
+
+
+def _type_checking_nodes(tree) -> set:
+    """Imports under `if TYPE_CHECKING:` are for annotations only: they never run."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            for inner in node.body:
+                skip.update(id(n) for n in ast.walk(inner))
+    return skip
+
+
+def import_graph() -> networkx.DiGraph:
+    """Module -> the package's modules it imports, wherever the import statement is."""
+    package_dir = os.path.dirname(tilewise.__file__)
+    root = os.path.dirname(package_dir)
+    modules = {}
+    for directory, _, files in os.walk(package_dir):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                modules[module.removesuffix(".__init__")] = (path, name == "__init__.py")
+    graph = networkx.DiGraph()
+    for module, (path, is_package) in modules.items():
+        graph.add_node(module)
+        tree = ast.parse(open(path).read())
+        skip = _type_checking_nodes(tree)
+        package = module if is_package else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")
+                base = parts[:len(parts) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                           for alias in node.names]
+            else:
+                continue
+            graph.add_edges_from((module, target) for target in targets if target in modules and target != module)
+    return graph
+
+
+def layer_of(module: str) -> int:
+    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(matches)[1]
+
+
+def test_the_package_has_no_import_circle():
+    cycles = list(networkx.simple_cycles(import_graph()))
+    assert cycles == [], cycles
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [(a, b) for a, b in import_graph().edges if layer_of(b) > layer_of(a)]
+    assert upward == [], upward

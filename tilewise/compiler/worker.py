@@ -81,7 +81,7 @@ GENERICS: dict = {}
 def generic_request(request: dict) -> bytes:
     """Compile a shape-generic region and keep it; reply with its guards and the example size's
     tile programs."""
-    from .remote import made_to_json
+    from .wire import made_to_json
     from .symbolic import Dynamic, compile_generic
 
     gm, inputs, spec = _region(request)
@@ -96,7 +96,7 @@ def generic_request(request: dict) -> bytes:
 
 def size_request(request: dict) -> bytes:
     """One size's tile programs of a generic region kept here."""
-    from .remote import made_to_json
+    from .wire import made_to_json
 
     made, _ = GENERICS[request["key"]].specialise(_inputs(request))
     return json.dumps(made_to_json(made, launches=False)).encode()
