@@ -45,12 +45,8 @@ def test_a_neuron_checkpoint_maps_back_to_the_cpu_as_plain_tensors():
     assert type(loaded["w"]) is torch.Tensor and loaded["w"].device == torch.device("cpu")
 
 
-def test_a_generator_on_neuron_is_pytorchs_not_implemented_and_a_cpu_generator_serves():
-    """torch.Generator(device="neuron") cannot be backed from Python on torch 2.13 (the C++
-    PythonHooks route getNewGenerator to the base class, which raises): PyTorch's own error, raised
-    at once; a CPU generator drives neuron's random ops, on any core, as the CPU's."""
-    with pytest.raises(NotImplementedError, match="getNewGenerator"):
-        torch.Generator(device="neuron")
+def test_a_cpu_generator_drives_neurons_random_ops_on_any_core_as_the_cpus():
+    """(A neuron generator: tests/test_generator.py.)"""
     want = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
     got = torch.randn(3, 4, device="neuron:1", generator=torch.Generator().manual_seed(3))
     assert got.device == torch.device("neuron", 1)
