@@ -32,7 +32,9 @@ from .c_exprs import C_TYPES
 aten = torch.ops.aten
 
 # aten function -> MKL's name for it (vm{s,d}<Name>), as ATen's vml.h maps them
-FUNCTIONS = {"sqrt": "Sqrt"}
+FUNCTIONS = {"sqrt": "Sqrt", "exp": "Exp", "log": "Ln", "tanh": "Tanh", "erf": "Erf", "erfc": "Erfc", "sin": "Sin",
+             "cos": "Cos", "tan": "Tan", "asin": "Asin", "acos": "Acos", "atan": "Atan", "log2": "Log2",
+             "log10": "Log10"}
 # ATen's mode for its VML calls (vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
 MODE = 0x2 | 0x140000 | 0x100
 C_PREFIX = {torch.float32: "vms", torch.float64: "vmd"}
