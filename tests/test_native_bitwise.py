@@ -103,7 +103,6 @@ BINARY = {
     "tanh_backward": lambda x, y: torch.ops.aten.tanh_backward(x, y),
     "sigmoid_backward": lambda x, y: torch.ops.aten.sigmoid_backward(x, y),
     "threshold_backward": lambda x, y: torch.ops.aten.threshold_backward(x, y, 0.0),
-    "mse_loss_none": lambda x, y: F.mse_loss(x, y, reduction="none"),
     "broadcast_row": lambda x, y: x * y[:1] + y[:, :1],
 }
 
