@@ -45,6 +45,7 @@ class NativeReason(enum.Enum):
     MATMUL_ON_BLAS = "matmul_on_blas"  # matmul kernels run PyTorch's mm (faster than the C loop)
     EMITTER_ERROR = "emitter_error"    # the emitter failed on the kernel (a bug, shown where the region prints)
     SUMMATION_ORDER = "summation_order"  # a float var or prod (or a sum where CPU's order is not known): CPU's own order rounds otherwise
+    ROUNDING = "rounding"          # a float op whose C (libm, fmod) rounds otherwise than CPU's kernel
 
 
 class Unsupported(Exception):
@@ -161,6 +162,13 @@ ELEMENTWISE: dict[str, tuple[str, Callable]] = {
     "addcmul": (OUT, lambda a, b, c: f"fma({b}, {c}, {a})"),
     **{name: (OUT, (lambda fn: lambda a: f"{fn}({a})")(fn)) for name, fn in _UNARY_MATH.items()},
 }
+# Float ops whose C form rounds otherwise than CPU's kernel: libm's transcendentals (CPU's are MKL's
+# or SLEEF's; the program's own calls of MKL's functions are `vml` ops, emitted as MKL's calls),
+# sigmoid and silu's 1 / (1 + exp(-x)), fmod's remainder. Measured on special and random values.
+ROUNDS_OTHERWISE = frozenset(set(_UNARY_MATH) - {"sqrt", "floor", "ceil", "trunc", "round", "abs"}
+                             | {"sigmoid", "remainder"})
+# pow's exponents whose C form is CPU's: CPU's pow kernel multiplies or divides for these
+EXACT_POW = frozenset({1, 2, 3, -1, 0.5, -0.5})
 # Ops whose value is their (first) operand cast to the output dtype.
 CASTS = frozenset({"clone", "alias", "_to_copy", "convert_element_type", "lift_fresh_copy", "view", "_unsafe_view",
                    "reshape", "squeeze", "unsqueeze", "expand", "broadcast_in_dim"})

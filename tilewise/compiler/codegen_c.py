@@ -27,7 +27,7 @@ import torch
 
 from .c_exprs import (CASTS, COMBINE, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
                       INTEGER_UNSAFE, LANES, LOGICAL, NativeReason, OUT, PRELUDE,
-                      PSUM_TYPE, REMAINDER_HELPERS, Scalar, Unsupported, bind, c_type,
+                      PSUM_TYPE, REMAINDER_HELPERS, ROUNDS_OTHERWISE, EXACT_POW, Scalar, Unsupported, bind, c_type,
                       cast, compute_dtype, is_tile, literal, op_name)
 from . import c_cascade, vml
 from .c_layout import HbmArg, hbm_args
@@ -287,6 +287,7 @@ class KernelWriter:
         elif name == "copy":  # copy(self, src): src, cast to self's dtype
             self.tile_loop(op, self.operand(bound["src"], op, op.dtype))
         elif name in ELEMENTWISE:
+            self.check_rounding(op, name, bound)
             if name == "eq":
                 self.check_one_hot_index(op)
             if name == "remainder" and id(op) in self.store_indices:
@@ -294,6 +295,16 @@ class KernelWriter:
             self.tile_loop(op, self.elementwise(op, name, bound))
         else:
             raise Unsupported(NativeReason.OP, f"{target} has no C translation")
+
+    @staticmethod
+    def check_rounding(op: TileOp, name: str, bound: dict) -> None:
+        """A float op whose C rounds otherwise than CPU's kernel keeps PyTorch's (CPU's values)."""
+        if not op.dtype.is_floating_point:
+            return
+        exponent = bound.get("exponent")
+        exact_pow = isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent in EXACT_POW
+        if name in ROUNDS_OTHERWISE or (name == "pow" and not exact_pow):
+            raise Unsupported(NativeReason.ROUNDING, f"{op.arg[0]} of {op.dtype} rounds otherwise in C")
 
     def vml_call(self, op: TileOp, name: str, bound: dict) -> None:
         """CPU's own function (vml.py): the operand cast to the op's dtype into the row, then MKL's

@@ -55,6 +55,8 @@ def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, name) for name in _FUSE_THROUGH]))
     table[aten.nll_loss_backward.default] = _nll_loss_backward
+    table[aten.tanh_backward.default] = _tanh_backward
+    table[aten.sigmoid_backward.default] = _sigmoid_backward
     for op, ours in ((aten.addcmul.default, _addcmul), (aten.addcdiv.default, _addcdiv),
                      (aten.lerp.Scalar, _lerp), (aten.lerp.Tensor, _lerp)):
         table[op] = functools.partial(ours, table[op])
@@ -114,6 +116,64 @@ def _lerp(reference, start, end, weight):
     large = abs(weight) >= 0.5  # exact: weight - 1 of a float32 in [0.5, 2] is a float32
     coefficient = aten.full.default([], weight - 1 if large else weight, dtype=start.dtype, device=start.device)
     return aten.addcmul.default(end if large else start, coefficient, difference)
+
+
+def _tanh_backward(grad_output, output):
+    """grad * fma(-y, y, 1), as CPU's kernel (its `1 - y * y` contracted): PyTorch's decomposition
+    rounds y * y first, one ulp off in 3 of 10 elements."""
+    if not _same_float_dtype(grad_output, output):
+        return NotImplemented
+    one = aten.full_like.default(output, 1)
+    return aten.mul.Tensor(grad_output, aten.addcmul.default(one, aten.neg.default(output), output))
+
+
+def _sigmoid_backward(grad_output, output):
+    """grad * (1 - y) * y left to right, as CPU's kernel (PyTorch's decomposition multiplies
+    y * (1 - y) first, one ulp off in a third of the elements)."""
+    if not _same_float_dtype(grad_output, output):
+        return NotImplemented
+    return aten.mul.Tensor(aten.mul.Tensor(grad_output, aten.rsub.Scalar(output, 1)), output)
+
+
+# Decomposed ops whose decomposition rounds as CPU's kernel, in C and on PyTorch (measured bitwise
+# on special and random values, float32 and float64): ours above and below, and PyTorch's that do no
+# float arithmetic of their own or the same arithmetic in CPU's order. A region that records any
+# other decomposed op (softmax, log_softmax, GELU, SiLU, layer norm, addmm, ...: one ulp off in up
+# to half of the elements) runs its recorded graph, CPU's kernels, and builds no C for it. A float
+# sum or mean over one dim stays whole (CPU's order in C, c_cascade.py); over several dims, or all
+# (mse_loss's mean too), rows then columns round otherwise than CPU's one cascade over them all
+# (10 to 17 of 20 random [32, 4] ... [60, 67] float32 tensors one ulp off).
+EXACT_DECOMPOSITIONS = frozenset({
+    aten.addcmul.default, aten.addcdiv.default, aten.lerp.Scalar, aten.lerp.Tensor, aten.nll_loss_backward.default,
+    aten.tanh_backward.default, aten.sigmoid_backward.default, aten.mse_loss_backward.default, aten.hardtanh.default,
+    aten.threshold_backward.default, aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.ones_like.default,
+    aten.zeros_like.default, aten.full_like.default, aten.detach.default, aten.t.default, aten.rsub.Scalar,
+    aten.rsub.Tensor, aten.relu.default, aten.square.default, aten.clamp_min.default, aten.clamp_max.default,
+})
+
+
+def rounds_otherwise(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The recorded ops of `gm` whose decomposition may round otherwise than CPU's kernel: views
+    and ops of integer or boolean results are exact, the rest must be in EXACT_DECOMPOSITIONS."""
+    table = decomposition_table()
+    found = {str(node.target) for node in gm.graph.nodes
+             if node.op == "call_function" and node.target in table and node.target not in EXACT_DECOMPOSITIONS
+             and not node.target.is_view and _has_float_result(node) and not _sum_over_one_dim(node)}
+    return tuple(sorted(found))
+
+
+def _sum_over_one_dim(node: torch.fx.Node) -> bool:
+    if node.target not in (aten.sum.dim_IntList, aten.mean.dim):
+        return False
+    x, dims = node.args[0].meta.get("val"), node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if isinstance(dims, (list, tuple)) and len(dims) == 1:
+        return True
+    return isinstance(x, torch.Tensor) and len(_reduced(x, dims)) <= 1
+
+
+def _has_float_result(node: torch.fx.Node) -> bool:
+    values = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return not values or any(v.dtype.is_floating_point or v.dtype.is_complex for v in values)
 
 
 def _rounded(number: float, dtype: torch.dtype) -> float:

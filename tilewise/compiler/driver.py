@@ -11,7 +11,8 @@ from . import bindings
 from .cost import estimate_cost
 from ..eager.composite import COMPOSITES
 from ..eager.plan import MATERIALIZED
-from .decompose import decompose, flat_module, host_factories
+from .c_exprs import NativeReason
+from .decompose import decompose, flat_module, host_factories, rounds_otherwise
 from .emit import emit
 from .interpreter import interpret
 from .lower import lower
@@ -23,10 +24,12 @@ from .partition import partition
 from .region import Region
 from .schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-6"  # bumped when a pass computes differently: older disk entries are not used
+COMPILER_VERSION = "tilewise-compiler-7"  # bumped when a pass computes differently: older disk entries are not used
 
 # The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
 # example inputs travel in it).
+ROUNDS_OTHERWISE = "tilewise_rounds_otherwise"  # the source graph's meta: rounds_otherwise(recorded graph)
+
 PASSES = (
     ("decompose", decompose),     # PyTorch decompositions + functionalization, traced on the example inputs
     ("partition", partition),     # fusion groups
@@ -60,6 +63,10 @@ class CompiledRegion:
         self.source = source
         self._host = HostExecutable(gm, native, source)
         self.unchecked = False
+        # recorded ops whose decomposition rounds otherwise than CPU's kernel: no C (decompose.py)
+        self.rounds_otherwise = source.meta.get(ROUNDS_OTHERWISE, ())
+        if self.rounds_otherwise:
+            self._host.buildable = False
 
     @property
     def native(self) -> NativeProgram:
@@ -132,7 +139,8 @@ class CompiledRegion:
         return sum(launch.seconds for launch in self.cost)
 
     def __str__(self) -> str:
-        return "\n\n".join(self.passes_text + [f"# host tier: {self.host_tier.value}"])
+        kept = f" (no C, {NativeReason.ROUNDING.value}: {', '.join(self.rounds_otherwise)})" if self.rounds_otherwise else ""
+        return "\n\n".join(self.passes_text + [f"# host tier: {self.host_tier.value}{kept}"])
 
     def __repr__(self) -> str:
         return (f"CompiledRegion({self.name!r}, kernels={len(self.kernels)}, launches={len(self.launches)}, "
@@ -170,7 +178,10 @@ def source_graph(gm: torch.fx.GraphModule, example_inputs=()) -> torch.fx.GraphM
         if node.op == "call_function":
             node.target = _host_target(node.target)
     source = torch.fx.GraphModule(gm, graph)
-    return bindings.bound(source, example_inputs) if example_inputs else source
+    rounding = rounds_otherwise(source)
+    source = bindings.bound(source, example_inputs) if example_inputs else source
+    source.meta[ROUNDS_OTHERWISE] = rounding
+    return source
 
 
 def _host_target(target):

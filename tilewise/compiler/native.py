@@ -350,6 +350,10 @@ class _KernelCall:
             return _dense(tensor.broadcast_to(ref.view or ref.shape).contiguous())
         if type(tensor) not in _DENSE or tensor.stride() != ref.stride or tensor.dtype != ref.dtype \
                 or tensor.device.type != "cpu":
+            if any(stride == 0 and size > 1 for size, stride in zip(ref.shape, ref.stride)):
+                # the C reads one element for a whole broadcast dim, which this tensor need not repeat
+                raise NotBuiltFor(f"{self.name} was compiled for {ref.node} broadcast as strides {list(ref.stride)}; "
+                                  f"got strides {list(tensor.stride())}")
             tensor = torch.empty_strided(ref.shape, ref.stride, dtype=ref.dtype).copy_(tensor)
         return tensor
 

@@ -49,9 +49,9 @@ def recorded_graph_only() -> bool:
     """Whether a region's run takes its recorded graph whatever was built, read at every run (a
     region outlives the block that compiled it): with host_backend=torch, and while the program
     asks for deterministic algorithms (`torch.use_deterministic_algorithms(True)`), as which tier
-    runs a step is decided by timing and the C's transcendentals and softmax are within the dtype's
-    tolerance of CPU's, not bitwise: two runs of a program would differ in their last bits. The
-    recorded graph is CPU's kernels, CPU's values bitwise."""
+    runs a step is decided by timing: the C is held to CPU's values bitwise op by op (ops and
+    decompositions that round otherwise keep CPU's kernels), the recorded graph is CPU's kernels
+    by construction."""
     return config.host_backend != "native" or torch.are_deterministic_algorithms_enabled()
 
 

@@ -12,10 +12,12 @@ program's own calls before decomposition: each becomes `tilewise_vml.sqrt`, an o
 the aten op (the PyTorch executable and the tile interpreter compute exactly what CPU does) and
 which the C emits as the VML call.
 
-PyTorch computes exp, log, tanh, erf, sin, cos, tan, asin, acos, atan, log2, log10 and erfc with
-VML too (each checked bitwise here), but a VML call per row costs about four times the fused loop
-of libm's vector functions on the chain workload's tanh (0.5 -> 1.7-2.0 ms a call, benchmarks/
-native_regions.py): they stay on libm, within the dtype's tolerance. FUNCTIONS takes one by name.
+PyTorch computes exp, log, tanh, erf, erfc, sin, cos, tan, asin, acos, atan, log2 and log10 with
+VML too, and so does the C, in the same way (libm's were up to 3 ulp off CPU's). A call per row
+breaks the row's fused loop and costs more than libm's vector functions (the chain workload's
+native time 1.0 -> 2.2 ms, benchmarks/native_regions.py chain): the price of CPU's values. expm1,
+log1p and the hyperbolics, which VML computes otherwise than this PyTorch, are not here: their C
+keeps CPU's kernel (codegen_c's `rounding` check).
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from .c_exprs import C_TYPES
 aten = torch.ops.aten
 
 # aten function -> MKL's name for it (vm{s,d}<Name>), as ATen's vml.h maps them
-FUNCTIONS = {"sqrt": "Sqrt"}
+FUNCTIONS = {"sqrt": "Sqrt", "exp": "Exp", "log": "Ln", "tanh": "Tanh", "erf": "Erf", "erfc": "Erfc", "sin": "Sin",
+             "cos": "Cos", "tan": "Tan", "asin": "Asin", "acos": "Acos", "atan": "Atan", "log2": "Log2",
+             "log10": "Log10"}
 # ATen's mode for its VML calls (vml.h): VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
 MODE = 0x2 | 0x140000 | 0x100
 C_PREFIX = {torch.float32: "vms", torch.float64: "vmd"}
