@@ -43,6 +43,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree (the rest is FSDP2)")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="without torchtitan's debug.deterministic (regions then may run the native C tier)")
     return parser.parse_args()
 
 
@@ -61,7 +63,7 @@ def trainer_config(args: argparse.Namespace, dump_folder: str):
     config.profiler.enable_profiling = False
     config.metrics.log_freq = 1
     config.debug.seed = SEED
-    config.debug.deterministic = True
+    config.debug.deterministic = not args.nondeterministic
     config.parallelism.tensor_parallel_degree = args.tp
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torchtitan's default, spmd_types, hands torch 2.13's fully_shard `dp_mesh_dims` with plain
