@@ -74,22 +74,32 @@ def pipeline_training(device, group=None, mode=None) -> dict:
             "compiles": stats.compiles, "ops_compiled": stats.ops_compiled}
 
 
-def tensor_parallel_model() -> torch.nn.Sequential:
+def tensor_parallel_model(bias: bool = True) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=bias), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=bias))
+
+
+def mean_square(y: torch.Tensor) -> torch.Tensor:
+    return y.pow(2).mean()
+
+
+def row_mean_square(y: torch.Tensor) -> torch.Tensor:
+    """A loss whose ops the native C computes bitwise as CPU (a mean over all dims does not: its
+    region keeps CPU's kernels), so the shared-cache run builds and loads C."""
+    return y.pow(2).sum(1).mean(0)
 
 
 def tensor_parallel_data() -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
 
 
-def tp_losses(model, x, steps: int = STEPS, built_after: int | None = None) -> list[float]:
+def tp_losses(model, x, steps: int = STEPS, built_after: int | None = None, loss_of=mean_square) -> list[float]:
     """SGD steps; after step `built_after` the regions' C is waited for (built, or loaded from the
     compile cache), so the steps after it run it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        loss = model(x).pow(2).mean()
+        loss = loss_of(model(x))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -128,11 +138,11 @@ def shared_cache_run(prefix: str) -> None:
 
     dist.init_process_group("neuron")
     mesh = init_device_mesh("neuron", (dist.get_world_size(),))
-    model = parallelize_module(tensor_parallel_model().to("neuron"), mesh,
+    model = parallelize_module(tensor_parallel_model(bias=False).to("neuron"), mesh,
                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = tensor_parallel_data().to("neuron")
     with tilewise.engine():
-        losses = tp_losses(model, x, SHARED_CACHE_STEPS, BUILT_AFTER)
+        losses = tp_losses(model, x, SHARED_CACHE_STEPS, BUILT_AFTER, row_mean_square)
     counters = {name: getattr(cache.stats, name) for name in
                 ("compiles", "disk_hits", "disk_writes", "corrupt", "unstorable", "native_disk_hits")}
     with open(f"{prefix}{dist.get_rank()}.json", "w") as out:

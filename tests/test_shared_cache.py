@@ -45,8 +45,8 @@ def expected_losses():
         import parallel_programs_worker as worker
     finally:
         sys.path.pop(0)
-    return worker.tp_losses(worker.tensor_parallel_model(), worker.tensor_parallel_data(), worker.SHARED_CACHE_STEPS,
-                            worker.BUILT_AFTER)
+    return worker.tp_losses(worker.tensor_parallel_model(bias=False), worker.tensor_parallel_data(),
+                            worker.SHARED_CACHE_STEPS, worker.BUILT_AFTER, worker.row_mean_square)
 
 
 def test_tensor_parallel_runs_again_and_again_in_one_cache_and_four_processes_at_once(tmp_path, expected_losses):
