@@ -21,7 +21,7 @@ from tilewise.compiler import disk as disk_files  # `disk` is the fixture below
 from tilewise.compiler.decompose import RECORDED_STRIDES
 
 def _fn(x):
-    return torch.tanh(x) * 2 + 1
+    return torch.abs(x) * 2 + 1
 
 
 class Disk(NamedTuple):
@@ -141,7 +141,7 @@ def test_the_key_is_made_once_even_when_threads_race_for_it(tmp_path):
 def test_an_entry_written_without_the_key_is_refused(forgery, disk):
     entry = disk.entry()
     payload = entry.read_bytes().partition(b"\n")[2]
-    swapped = payload.replace(b'"aten.tanh.default"', b'"aten.sigmoid.default"')
+    swapped = payload.replace(b'"aten.abs.default"', b'"aten.neg.default"')
     assert swapped != payload
     entry.write_bytes({
         "op swapped, sha256 rehashed": hashlib.sha256(swapped).hexdigest().encode() + b"\n" + swapped,
@@ -151,7 +151,7 @@ def test_an_entry_written_without_the_key_is_refused(forgery, disk):
         "not utf-8": disk.sign(b"\xff\xfe" + payload, key=os.urandom(disk_files.KEY_BYTES)),
     }[forgery])
     with pytest.warns(RuntimeWarning, match="not written with this user's key"):
-        _, moved = _load_again()  # tanh, not the planted sigmoid
+        _, moved = _load_again()  # abs, not the planted neg
     assert moved == {"corrupt": 1, "compiles": 1, "disk_writes": 1}
     _, moved = _load_again()
     assert moved == {"disk_hits": 1}  # the recompiled entry was written back
@@ -182,14 +182,14 @@ def test_an_authentic_entry_under_another_key_name_is_refused(disk):
 
 def _inject_kwarg(disk):
     def change(payload):
-        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.tanh.default"})
+        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.abs.default"})
         node["kwargs"] = {"dict": {f"x={_plant(disk)},y": 1}}
     return change
 
 
 def _inject_node_name(disk):
     def change(payload):
-        text = json.dumps(payload).replace('"tanh"', json.dumps(f"tanh = {_plant(disk)}; tanh"))
+        text = json.dumps(payload).replace('"abs_1"', json.dumps(f"abs_1 = {_plant(disk)}; abs_1"))
         payload.update(json.loads(text))
     return change
 
@@ -210,14 +210,14 @@ def _inject_placeholder_default(disk):
 
 def _inject_module_call(disk):
     def change(payload):
-        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.tanh.default"})
+        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.abs.default"})
         node["op"], node["target"] = "call_method", f"__class__; {_plant(disk)}"
     return change
 
 
 def _inject_foreign_op(disk):
     def change(payload):
-        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.tanh.default"})
+        node = next(n for n in _nodes(payload, "call_function") if n["target"] == {"op": "aten.abs.default"})
         node["target"] = {"op": "aten.__class__.__init__"}
     return change
 
