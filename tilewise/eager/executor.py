@@ -294,8 +294,10 @@ def _unwrap_kwargs(kwargs: dict, plan: OpPlan, traffic: _Traffic) -> tuple[dict,
             value = CPU
         elif isinstance(value, _Tensor):
             value = _unwrap((value,), plan, traffic)[0]
-        elif type(value) is list or type(value) is tuple or generators.is_neuron(value):
-            value = _unwrap((value,), plan, traffic)[0] if generators.is_neuron(value) else _unwrap(value, plan, traffic)
+        elif type(value) is list or type(value) is tuple:
+            value = _unwrap(value, plan, traffic)
+        elif generators.is_neuron(value):
+            value = _unwrap((value,), plan, traffic)[0]
         host[key] = value
     if not to_host:
         _check_dense(kwargs, plan)
