@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
-from tilewise.compiler import cache, compile_graph
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import compile_graph
 
 REPEATS = 5
 

@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from tilewise.compiler import cache, compile_graph, native, tiers  # noqa: E402
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import compile_graph
+from tilewise.compiler.native import build as native, tiers  # noqa: E402
 from tilewise.device.spec import TRN2  # noqa: E402
 
 SHAPES = [(64, 32, 64), (64, 256, 256), (256, 512, 512), (1024, 1024, 1024)]  # (m, k, n)

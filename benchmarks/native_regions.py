@@ -19,7 +19,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), 
 import torch  # noqa: E402
 
 import tilewise  # noqa: E402
-from tilewise.compiler import cache, tiers  # noqa: E402
+from tilewise.compiler.cache import regions as cache  # noqa: E402
+from tilewise.compiler.native import tiers  # noqa: E402
 
 import run  # noqa: E402  the workloads of benchmarks/run.py
 

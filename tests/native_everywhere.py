@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tilewise.compiler import cache, tiers
-from tilewise.compiler.tiers import Tier
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler.native import tiers
+from tilewise.compiler.native.tiers import Tier
 
 BUILD_TIMEOUT = 120  # seconds one region's C may take to build
 

@@ -134,7 +134,8 @@ def shared_cache_run(prefix: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from tilewise.compiler import cache, native
+    from tilewise.compiler.cache import regions as cache
+    from tilewise.compiler.native import build as native
 
     dist.init_process_group("neuron")
     mesh = init_device_mesh("neuron", (dist.get_world_size(),))

@@ -17,8 +17,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
 from tilewise.errors import CompileError
-from tilewise.compiler import background, cache, compile_graph, compile_in_background, disk, finish, remote, symbolic, worker
-from tilewise.compiler.serialize import graph_to_json
+from tilewise.compiler.process import background, remote, worker
+from tilewise.compiler.cache import regions as cache, disk
+from tilewise.compiler import compile_graph, compile_in_background, finish
+from tilewise.compiler.generic import symbolic
+from tilewise.compiler.cache.serialize import graph_to_json
 from tilewise.workloads import MLP, random_lengths, train_gpt, train_seq
 
 TIMEOUT = 240  # seconds a compile process may take to start and compile on a loaded machine
@@ -283,7 +286,7 @@ def test_inputs_sharing_storage_share_it_in_the_compile_process():
 def test_no_compile_process_unless_asked():
     script = textwrap.dedent("""
         import torch, tilewise
-        from tilewise.compiler import background
+        from tilewise.compiler.process import background
         with tilewise.engine(mode="adaptive"):
             (torch.ones(3, device="neuron") * 2).cpu()
         print(background.PROCESS._child is None)
@@ -299,7 +302,7 @@ def test_opting_in_forks_the_compile_process_at_import():
     script = textwrap.dedent("""
         print("before", flush=False)
         import torch, tilewise
-        from tilewise.compiler import background
+        from tilewise.compiler.process import background
         child = background.PROCESS._child
         with tilewise.engine(mode="adaptive", threshold=1):
             for _ in range(3):
@@ -341,7 +344,7 @@ def test_a_daemonic_process_starts_none_at_import_and_one_when_a_block_needs_it(
 
         def work():
             import tilewise
-            from tilewise.compiler import background
+            from tilewise.compiler.process import background
             at_import = background.PROCESS._child
             for _ in range(2):
                 with tilewise.engine(mode="adaptive", threshold=1):

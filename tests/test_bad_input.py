@@ -187,7 +187,7 @@ def test_unusable_cache_dir_costs_the_cache_not_the_compile(tmp_path):
     a_file = tmp_path / "not-a-directory"
     a_file.write_text("")
     gm, x = _graph()
-    from tilewise.compiler import cache
+    from tilewise.compiler.cache import regions as cache
     for directory in (a_file, a_file / "below"):
         cache.clear_memory()
         with tilewise.config.patch(cache_dir=str(directory)), pytest.warns(RuntimeWarning, match="memory only"):

@@ -11,7 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 import tilewise
-from tilewise.compiler import bindings, cache, driver
+from tilewise.compiler.native import bindings
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import driver
 
 aten = torch.ops.aten
 

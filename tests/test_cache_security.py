@@ -16,9 +16,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
-from tilewise.compiler import cache, compile_graph, serialize
-from tilewise.compiler import disk as disk_files  # `disk` is the fixture below
-from tilewise.compiler.decompose import RECORDED_STRIDES
+from tilewise.compiler.cache import regions as cache, serialize
+from tilewise.compiler import compile_graph
+from tilewise.compiler.cache import disk as disk_files  # `disk` is the fixture below
+from tilewise.compiler.passes.decompose import RECORDED_STRIDES
 
 def _fn(x):
     return torch.abs(x) * 2 + 1

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tilewise
-from tilewise.compiler import backend_stats, c_cascade
+from tilewise.compiler import backend_stats
+from tilewise.compiler.native import c_cascade
 
 
 def test_mlp_on_neuron_matches_cpu_losses_and_grads():

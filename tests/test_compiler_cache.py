@@ -13,12 +13,14 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
-from tilewise.compiler import cache, compile_graph
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import compile_graph
 
 SCRIPT = textwrap.dedent("""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
-    from tilewise.compiler import cache, compile_graph
+    from tilewise.compiler import compile_graph
+    from tilewise.compiler.cache import regions as cache
     fn = lambda x, w: (torch.softmax(x * 2, -1), torch.relu(x @ w))
     x, w = torch.randn(130, 20), torch.randn(20, 7)
     compiled = compile_graph(make_fx(fn)(x, w), [x, w])
@@ -107,7 +109,7 @@ def test_a_region_naming_ops_an_entry_may_not_is_kept_in_memory_never_written_as
 
 TRAINING = textwrap.dedent("""
     import torch, tilewise
-    from tilewise.compiler import cache
+    from tilewise.compiler.cache import regions as cache
     from tilewise.workloads import MLP
 
     def train(device):
@@ -318,7 +320,7 @@ def test_a_full_disk_costs_the_cache_its_entry_and_leaves_no_temporary_file(tmp_
     x = torch.randn(6, 7)
     with tilewise.config.patch(cache_dir=str(tmp_path / "cache"), cache_key_file=str(tmp_path / "cache.key")):
         compile_graph(make_fx(torch.sin)(x), [x])  # the directory and its key made, one entry written
-        monkeypatch.setattr("tilewise.compiler.disk.os.fsync", full)
+        monkeypatch.setattr("tilewise.compiler.cache.disk.os.fsync", full)
         errors = cache.stats.disk_errors
         with pytest.warns(RuntimeWarning, match="No space left"):
             compiled = compile_graph(make_fx(fn)(x), [x])

@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from test_compiler_fusion import check
 from tilewise.compiler import compile_graph
-from tilewise.compiler.tile_ir import Ops
+from tilewise.compiler.ir.tile_ir import Ops
 from tilewise.device.spec import TRN2
 
 torch.manual_seed(0)

@@ -4,7 +4,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tilewise.compiler import check_tile_limits, compile_graph
-from tilewise.compiler.tile_ir import Kernel, Ops, TileOp
+from tilewise.compiler.ir.tile_ir import Kernel, Ops, TileOp
 from tilewise.device.spec import TRN2
 from tilewise.errors import TileLimitError
 

@@ -12,7 +12,7 @@ import torch
 import tilewise
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.regions import CompiledEntry
-from tilewise.compiler.tiers import Tier
+from tilewise.compiler.native.tiers import Tier
 
 MODES = ["eager", "adaptive", "compiled"]
 
@@ -241,7 +241,7 @@ def test_training_with_inference_mode_validation_matches_cpu_and_compiles(mode):
     last updates and the validation in one segment: its buffers shared with the parameters were
     inference tensors, and compiling the region that writes them failed (functionalization writes
     a region's mutations back to its inputs, which an inference tensor refuses)."""
-    from tilewise.compiler import cache
+    from tilewise.compiler.cache import regions as cache
 
     def run(device):
         torch.manual_seed(0)

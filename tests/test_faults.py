@@ -9,7 +9,8 @@ import torch
 import tilewise
 from tilewise.adaptive import RUNTIME
 from tilewise.adaptive import regions as adaptive_regions
-from tilewise.compiler import cache, driver
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import driver
 from tilewise.device.runtime import DEVICE
 
 

@@ -114,7 +114,7 @@ def test_a_forked_child_runs_backward_as_without_tilewise(when):
 
 COMPILE_PROCESS_OUTLIVES_A_FORK = textwrap.dedent("""
     import os, sys, torch, tilewise
-    from tilewise.compiler import background
+    from tilewise.compiler.process import background
 
     def run(x):
         with tilewise.engine(mode="compiled"):

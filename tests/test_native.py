@@ -21,9 +21,11 @@ from torch.testing._internal.common_methods_invocations import op_db
 import tilewise
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.regions import CompiledEntry
-from tilewise.compiler import cache, compile_graph, native, tiers, vml
-from tilewise.compiler.codegen_c import NativeReason
-from tilewise.compiler.tiers import Tier
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import compile_graph
+from tilewise.compiler.native import build as native, tiers, vml
+from tilewise.compiler.native.codegen_c import NativeReason
+from tilewise.compiler.native.tiers import Tier
 from tilewise.device.spec import TRN2
 from tilewise.errors import ConfigError
 
@@ -51,7 +53,7 @@ def compiled_native(fn, inputs):
 
 def native_calls(compiled) -> int:
     """Kernels the running executable calls in C (named native_<kernel> in its code)."""
-    return compiled.host_graph.code.count("= tilewise_compiler_native_native_")
+    return compiled.host_graph.code.count("= tilewise_compiler_native_build_native_")
 
 
 def test_host_graph_is_the_graph_the_tier_in_use_runs():
@@ -217,7 +219,7 @@ def test_float_sums_and_means_add_in_cpus_order_bitwise(width, dtype):
 def test_a_summation_order_this_pytorch_does_not_use_keeps_cpus_kernel(monkeypatch):
     """The order is checked against this PyTorch's sums before any C uses it: with a wrong vector
     width the check fails and float sums stay on PyTorch, with the reason shown."""
-    from tilewise.compiler import c_cascade
+    from tilewise.compiler.native import c_cascade
     wrong = 64 if c_cascade.vector_bytes() == 32 else 32
     with monkeypatch.context() as patch:
         patch.setattr(c_cascade, "_VECTOR_BYTES", {name: (wrong,) for name in c_cascade._VECTOR_BYTES})
@@ -743,7 +745,7 @@ def test_loading_native_code_leaves_no_directory_behind_even_without_atexit(tmp_
     forked child's os._exit) left its private library directory in the temporary directory."""
     script = (
         "import os, torch, tilewise\n"
-        "from tilewise.compiler import native\n"
+        "from tilewise.compiler.native import build as native\n"
         "source = 'int tilewise_probe(void) { return 7; }'\n"
         "assert native.load(source).tilewise_probe() == 7\n"
         "os._exit(0)\n")
@@ -770,7 +772,7 @@ def test_the_next_build_sweeps_what_killed_processes_left_and_nothing_else(tmp_p
     long_ago = time.time() - 2 * native.STALE_AFTER_SECONDS
     for directory in (killed, earlier_version, running, someone_elses):
         os.utime(directory, (long_ago, long_ago))
-    script = ("from tilewise.compiler import native\n"
+    script = ("from tilewise.compiler.native import build as native\n"
               "assert native.load('int tilewise_sweep_probe(void) { return 5; }').tilewise_sweep_probe() == 5\n")
     env = dict(os.environ, TMPDIR=str(tmp_path), TILEWISE_CACHE_DIR="off")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

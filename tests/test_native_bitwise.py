@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tilewise
-from tilewise.compiler import cache, compile_graph, native, tiers
-from tilewise.compiler.c_exprs import NativeReason
-from tilewise.compiler.tiers import Tier
+from tilewise.compiler.cache import regions as cache
+from tilewise.compiler import compile_graph
+from tilewise.compiler.native import build as native, tiers
+from tilewise.compiler.native.c_exprs import NativeReason
+from tilewise.compiler.native.tiers import Tier
 from tilewise.device.spec import TRN2
 
 BUILD_TIMEOUT = 120  # seconds a region's C may take to build on a loaded machine
@@ -60,7 +62,7 @@ def assert_bitwise(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def native_calls(compiled) -> int:
-    return compiled.host_graph.code.count("= tilewise_compiler_native_native_")
+    return compiled.host_graph.code.count("= tilewise_compiler_native_build_native_")
 
 
 def on_native(fn, inputs) -> tuple:

@@ -11,12 +11,12 @@ from torch._dynamo.source import LocalSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import tilewise
-from tilewise.compiler import cache as compiler_cache
-from tilewise.compiler import symbolic
-from tilewise.compiler.interpreter import interpret
-from tilewise.compiler.parametric import Made
-from tilewise.compiler.sizes import at_most, recording_guards, same
-from tilewise.compiler.symbolic import Dynamic, compile_generic, concrete
+from tilewise.compiler.cache import regions as compiler_cache
+from tilewise.compiler.generic import symbolic
+from tilewise.compiler.ir.interpreter import interpret
+from tilewise.compiler.generic.parametric import Made
+from tilewise.compiler.ir.sizes import at_most, recording_guards, same
+from tilewise.compiler.generic.symbolic import Dynamic, compile_generic, concrete
 from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Why
 from tilewise.workloads import random_lengths, train_seq

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tilewise.compiler import native
+from tilewise.compiler.native import build as native
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

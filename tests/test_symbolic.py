@@ -11,9 +11,9 @@ import torch
 import tilewise
 from tilewise.adaptive import shapes
 from tilewise.adaptive import RUNTIME
-from tilewise.compiler import cache as compiler_cache
-from tilewise.compiler import decompose, meta_kernels
-from tilewise.compiler.symbolic import Dynamic, compile_generic
+from tilewise.compiler.cache import regions as compiler_cache
+from tilewise.compiler.passes import decompose, meta_kernels
+from tilewise.compiler.generic.symbolic import Dynamic, compile_generic
 from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Why
 from tilewise.workloads import infer_mlp, random_lengths, train_seq

@@ -235,7 +235,9 @@ class RegionCompiler:
     def _compile(self, segment: Segment, region: Region, site):
         """The region compiled now, or (compiling in the background) None while its ops run eagerly;
         `site`: its generic.Site, if it has one, which counts the compile."""
-        from ..compiler import background, cache, compile_graph, compile_in_background  # the layer below
+        from ..compiler.process import background
+        from ..compiler.cache import regions as cache
+        from ..compiler import compile_graph, compile_in_background  # the layer below
 
         in_flight = sum(1 for entry in self.memory.regions.values() if type(entry) is Compiling)
         name = f"region{len(self.stats.regions) + in_flight + 1}"

@@ -63,8 +63,8 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     """Wait until the regions compiling in the background are compiled, and the native C builds
     queued or under way are built (each is put to use at the next flush that meets it); False if
     `timeout` seconds passed first."""
-    from ..compiler import tiers
-    from ..compiler.background import PROCESS
+    from ..compiler.native import tiers
+    from ..compiler.process.background import PROCESS
     deadline = None if timeout is None else time.monotonic() + timeout
     if not PROCESS.wait_all(timeout):
         return False
@@ -72,7 +72,7 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
 
 
 def start_compile_process() -> None:
-    from ..compiler.background import PROCESS
+    from ..compiler.process.background import PROCESS
     PROCESS.start()
 
 

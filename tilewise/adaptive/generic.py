@@ -129,8 +129,8 @@ class GenericSites:
         return None if arguments is None else self.sized(segment, region, site, arguments)
 
     def generalise(self, segment: Segment, region: Region, site: Site, changes: shapes.Changes):
-        from ..compiler.remote import compile_generic_remotely  # the compiler layer sits below
-        from ..compiler.symbolic import compile_generic
+        from ..compiler.process.remote import compile_generic_remotely  # the compiler layer sits below
+        from ..compiler.generic.symbolic import compile_generic
 
         name = f"region{len(self.stats.regions) + 1}"
         site.generalisations += 1
@@ -164,7 +164,7 @@ class GenericSites:
         """Whether the site's generic compile in the compile process is over: its generic region
         taken in (or the compile given up: the region runs eagerly, or, when the process died,
         the site generalises in this process at its next flush)."""
-        from ..compiler.remote import CompileProcessLost  # the compiler layer sits below
+        from ..compiler.process.remote import CompileProcessLost  # the compiler layer sits below
 
         pending, job = site.compiling, site.compiling.job
         if not job.done():
@@ -193,8 +193,8 @@ class GenericSites:
         """The entry serving this size of the site's generic region: its tile programs made now or
         kept, its outputs' layouts checked against those the segment recorded; None while the
         compile process makes them (a generic region compiled there)."""
-        from ..compiler.parametric import Made  # the compiler layer sits below
-        from ..compiler.remote import CompileProcessLost
+        from ..compiler.generic.parametric import Made  # the compiler layer sits below
+        from ..compiler.process.remote import CompileProcessLost
         try:
             made, new = site.generic.specialise(arguments)
         except CompileProcessLost:  # it held the generic region: the site generalises here next

@@ -185,7 +185,7 @@ class Changes(NamedTuple):
         the ints: its unshared input slots' symbolic dims and strides (the slots of `shared`
         groups enter as whole storages of static size after them, lifted floats last: none),
         one symbolic int per path."""
-        from ..compiler.symbolic import Dynamic  # the compiler layer sits below; imported on first use
+        from ..compiler.generic.symbolic import Dynamic  # the compiler layer sits below; imported on first use
         grouped = {slot for group in shared for slot in group}
         dims = tuple(d for slot, d in enumerate(self.dims) if slot not in grouped)
         strides = tuple(d for slot, d in enumerate(self.strides) if slot not in grouped)

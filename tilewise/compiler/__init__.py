@@ -6,7 +6,7 @@ The torch.compile backend (`backend.py`) imports Dynamo, so it is not imported h
 entry point (pyproject.toml), and `backend_stats` loads it on first use."""
 from .driver import COMPILER_VERSION, PASSES, CompiledRegion
 from .entry import compile_graph, compile_in_background, finish
-from .memory_plan import check_launch_limits, check_tile_limits
+from .passes.memory_plan import check_launch_limits, check_tile_limits
 
 __all__ = ["COMPILER_VERSION", "PASSES", "CompiledRegion", "backend_stats", "check_launch_limits", "check_tile_limits",
            "compile_graph", "compile_in_background", "finish"]

@@ -7,22 +7,22 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..device.spec import DeviceSpec
-from . import bindings
-from .cost import estimate_cost
+from .native import bindings
+from .passes.cost import estimate_cost
 from ..eager.composite import COMPOSITES
 from ..eager.plan import MATERIALIZED
-from .c_exprs import NativeReason
-from .decompose import decompose, flat_module, host_factories, rounds_otherwise
-from .emit import emit
-from .interpreter import interpret
-from .lower import lower
-from .memory_plan import check_launch_limits
-from .later import Later
-from .native import NativeProgram
-from .tiers import HostExecutable, Tier
-from .partition import partition
-from .region import Region
-from .schedule import schedule
+from .native.c_exprs import NativeReason
+from .passes.decompose import decompose, flat_module, host_factories, rounds_otherwise
+from .passes.emit import emit
+from .ir.interpreter import interpret
+from .passes.lower import lower
+from .passes.memory_plan import check_launch_limits
+from .native.later import Later
+from .native.build import NativeProgram
+from .native.tiers import HostExecutable, Tier
+from .passes.partition import partition
+from .ir.region import Region
+from .passes.schedule import schedule
 
 COMPILER_VERSION = "tilewise-compiler-7"  # bumped when a pass computes differently: older disk entries are not used
 

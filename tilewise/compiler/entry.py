@@ -7,7 +7,8 @@ import torch
 from ..config import config
 from ..device.spec import DeviceSpec
 from ..errors import CompileError, ConfigError
-from . import background, cache
+from .process import background
+from .cache import regions as cache
 from .driver import CompiledRegion
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CompileError
-from ..reasons import Why
+from ...errors import CompileError
+from ...reasons import Why
 from .ops import (ARANGES, BROADCAST_IN_DIM, EMBEDDING, EXPAND, GATHER, ORDER_VIEWS, SCATTERS, Reason, category, matmul_dims, numel,
                   opaque_reason, reduced_dims, shape, strip, tensor_inputs)
-from .region import Group, Region
-from .sizes import same
+from ..ir.region import Group, Region
+from ..ir.sizes import same
 
 FUSABLE = ("elementwise", "reduction", "matmul")
 NOT_INLINED = frozenset({*SCATTERS, *ARANGES, EMBEDDING})

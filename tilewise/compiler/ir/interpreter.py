@@ -12,7 +12,7 @@ import math
 import torch
 from torch.fx.node import map_arg
 
-from ..errors import CompileError
+from ...errors import CompileError
 from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 

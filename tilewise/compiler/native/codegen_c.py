@@ -31,7 +31,7 @@ from .c_exprs import (CASTS, COMBINE, COMPARE, CONSTANT_LIKE, ELEMENTWISE,
                       cast, compute_dtype, is_tile, literal, op_name)
 from . import c_cascade, vml
 from .c_layout import HbmArg, hbm_args
-from .tile_ir import Kernel, Ops, TileOp
+from ..ir.tile_ir import Kernel, Ops, TileOp
 
 
 # A buffer's row inside a partition loop, `name[p * pitch...`, and a statement writing it first (to

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .tile_ir import TileOp
+from ..ir.tile_ir import TileOp
 
 C_TYPES = {torch.float32: "float", torch.float64: "double", torch.int64: "int64_t", torch.int32: "int32_t",
            torch.int16: "int16_t", torch.int8: "int8_t", torch.uint8: "uint8_t", torch.bool: "uint8_t"}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CompileError
-from ..reasons import Reason, Why
-from .cache import cost_from_json
-from .parametric import Made
-from .serialize import launch_from_json, launch_to_json
-from .symbolic import Specialisation
+from ...errors import CompileError
+from ...reasons import Reason, Why
+from ..cache.regions import cost_from_json
+from ..generic.parametric import Made
+from ..cache.serialize import launch_from_json, launch_to_json
+from ..generic.symbolic import Specialisation
 
 
 def made_to_json(made: Specialisation, launches: bool = True) -> dict:

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..reasons import Reason, Why
+from ...reasons import Reason, Why
 
-from ..eager.plan import NO_KERNEL
+from ...eager.plan import NO_KERNEL
 
 aten = torch.ops.aten
 prims = torch.ops.prims

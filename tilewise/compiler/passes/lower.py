@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from ..device.spec import DeviceSpec
-from ..errors import CompileError
-from ..reasons import Why
+from ...device.spec import DeviceSpec
+from ...errors import CompileError
+from ...reasons import Why
 from .memory_plan import check_tile_limits, fits, live_bytes
 from .ops import (ARANGES, EMBEDDING, GATHER, MATMULS, PRIM_REDUCTIONS, SCALAR_CONSTANTS, SCATTERS, Reason,
                   arange_bounds, cat_parts, category, lowest, matmul_dims, numel, shape, val)
-from .region import Group, Region
-from .sizes import SizedMap
-from .tile_ir import HbmRef, Kernel, Ops, TileOp
+from ..ir.region import Group, Region
+from ..ir.sizes import SizedMap
+from ..ir.tile_ir import HbmRef, Kernel, Ops, TileOp
 
 aten = torch.ops.aten
 FP32 = torch.float32

@@ -12,14 +12,14 @@ says so). A resident value is still written to HBM when anything outside the lau
 """
 from __future__ import annotations
 
-from ..device.spec import DeviceSpec
+from ...device.spec import DeviceSpec
 from .memory_plan import check_launch_limits
-from ..reasons import Why
+from ...reasons import Why
 from .ops import Reason
 from .order import contiguous_order
-from .region import Region
-from .sizes import frozen, largest_total, same, within
-from .tile_ir import HbmRef, Kernel, Launch, Ops
+from ..ir.region import Region
+from ..ir.sizes import frozen, largest_total, same, within
+from ..ir.tile_ir import HbmRef, Kernel, Launch, Ops
 
 
 def schedule(region: Region) -> Region:

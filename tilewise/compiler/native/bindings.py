@@ -22,7 +22,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..eager.plan import plan_of
+from ...eager.plan import plan_of
 
 _FUNCTIONS = torch._C._VariableFunctions
 _METHODS = torch._C.TensorBase

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .native import generate
-from .region import Region
+from ..native.build import generate
+from ..ir.region import Region
 
 
 def emit(region: Region) -> Region:

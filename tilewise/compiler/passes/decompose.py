@@ -22,12 +22,13 @@ from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
-from ..device.tensor import names_neuron
-from ..errors import CompileError
-from ..graphs import RECORDED_STRIDES
-from . import meta_kernels, vml
+from ...device.tensor import names_neuron
+from ...errors import CompileError
+from ...graphs import RECORDED_STRIDES
+from . import meta_kernels
+from ..native import vml
 from .fused_optimizers import functional_fused_optimizers
-from .region import Region
+from ..ir.region import Region
 
 meta_kernels.install()  # before any trace: the symbolic ones need them
 

@@ -21,11 +21,11 @@ import json
 from typing import NamedTuple
 
 
-from ..errors import CompileError
+from ...errors import CompileError
 from . import background
-from .driver import source_graph
-from .parametric import Made
-from .symbolic import Dynamic, GenericRegion, Specialisation, _size_key, strides_text as _strides_text
+from ..driver import source_graph
+from ..generic.parametric import Made
+from ..generic.symbolic import Dynamic, GenericRegion, Specialisation, _size_key, strides_text as _strides_text
 from .wire import made_from_json
 
 

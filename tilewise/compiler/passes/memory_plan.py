@@ -8,10 +8,10 @@ tile's load overlaps this tile's compute.
 """
 from __future__ import annotations
 
-from ..device.spec import DeviceSpec
-from ..errors import TileLimitError
-from .sizes import at_most, size_max
-from .tile_ir import Kernel, Launch, Ops
+from ...device.spec import DeviceSpec
+from ...errors import TileLimitError
+from ..ir.sizes import at_most, size_max
+from ..ir.tile_ir import Kernel, Launch, Ops
 
 
 def live_bytes(kernel: Kernel) -> tuple[int, int]:

@@ -20,10 +20,11 @@ import re
 
 import torch
 
-from ..errors import CompileError
-from . import fused_optimizers, vml
-from ..graphs import RECORDED_STRIDES
-from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
+from ...errors import CompileError
+from ..passes import fused_optimizers
+from ..native import vml
+from ...graphs import RECORDED_STRIDES
+from ..ir.tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
 
 # the op namespaces an entry may name: PyTorch's (functional collectives: tensor parallelism's
 # regions) and tilewise's own; `unstorable_ops` keeps a region naming others out of the disk cache

@@ -23,14 +23,14 @@ import os
 
 import torch
 
-from .. import collector
-from ..config import config
-from ..errors import CompileError
-from .cost import LaunchCost
+from ... import collector
+from ...config import config
+from ...errors import CompileError
+from ..passes.cost import LaunchCost
 from .disk import ENTRY_SUFFIX, Disk, open_disk, read_signed, stats, warn_once, write_signed
-from .driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
-from .later import Later
-from .native import generate
+from ..driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
+from ..native.later import Later
+from ..native.build import generate
 from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json, unstorable_ops
 
 MEMORY_ENTRIES = 256  # compiled regions kept in memory per process (least recently used evicted)

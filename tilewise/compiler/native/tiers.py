@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from ..config import config
-from ..errors import CompileError
-from ..host_threads import run_kernels_serially
-from . import native
+from ...config import config
+from ...errors import CompileError
+from ...host_threads import run_kernels_serially
+from . import build as native
 from .later import Later
-from .native import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
+from .build import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
 
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
 # Once the C is built, each of the two executables runs this many times, alternating, and the one
@@ -155,7 +155,7 @@ class HostExecutable:
             self._fail(f"tilewise: no C compiler ({native.C_COMPILER!r}) found; compiled regions run their PyTorch "
                        f"executable (host_backend=native needs one)")
             return
-        from . import disk
+        from ..cache import disk
         self.where = disk.location()  # the cache of the block that asked for the build
         self.tier = Tier.COMPILING
         _submit(self.ready, self.build_now)

@@ -24,12 +24,12 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy.printers import PythonPrinter
 
-from ..device.spec import DeviceSpec
-from ..reasons import Reason, Why
-from .cost import launch_cost, opaque_calls
-from .region import Region
-from .sizes import frozen, recording_guards
-from .tile_ir import HbmRef, Kernel, Launch, TileOp
+from ...device.spec import DeviceSpec
+from ...reasons import Reason, Why
+from ..passes.cost import launch_cost, opaque_calls
+from ..ir.region import Region
+from ..ir.sizes import frozen, recording_guards
+from ..ir.tile_ir import HbmRef, Kernel, Launch, TileOp
 
 
 # the modules PythonPrinter's text calls into (math.floor, torch.sym_float for a size made a float:

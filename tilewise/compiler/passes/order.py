@@ -10,7 +10,7 @@ from __future__ import annotations
 import networkx as nx
 import torch
 
-from ..errors import CompileError
+from ...errors import CompileError
 from .ops import category
 
 COPY = torch.ops.aten.copy_.default

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import CompileError
+from ...errors import CompileError
 from .c_layout import output_buffer_is_contiguous
 from .codegen_c import CKernel, NativeReason, Unsupported, kernel_c, layouts, translation_unit
-from . import disk, vml
-from .tile_ir import Launch
+from ..cache import disk
+from . import vml
+from ..ir.tile_ir import Launch
 
 # -O2 with -O3's loop vectoriser: the fused chain's kernel runs within 7% of -O3 and builds in a third
 # of the time (0.24 vs 0.8 s), and the build is what a region waits for before its C runs

@@ -24,7 +24,7 @@ import stat
 import warnings
 from typing import NamedTuple
 
-from ..config import config
+from ...config import config
 
 KEY_BYTES = 32        # HMAC-SHA256 key: as long as the digest
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO cannot hang us

@@ -29,14 +29,14 @@ from typing import BinaryIO, Callable, NamedTuple
 
 import torch
 
-from ..config import environment_with
-from ..host_threads import run_kernels_serially
-from .bindings import meta_like
-from .disk import warn_once
-from .serialize import NAMESPACES, graph_to_json
+from ...config import environment_with
+from ...host_threads import run_kernels_serially
+from ..native.bindings import meta_like
+from ..cache.disk import warn_once
+from ..cache.serialize import NAMESPACES, graph_to_json
 from .worker import layout_of, serve_fork
 
-_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from tilewise.compiler.worker import main; main()"
+_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from tilewise.compiler.process.worker import main; main()"
 
 
 class Job:

@@ -28,7 +28,7 @@ import os
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..host_threads import torch_cpu_library
+from ...host_threads import torch_cpu_library
 from .c_exprs import C_TYPES
 
 aten = torch.ops.aten

@@ -39,14 +39,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP, DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from ..device.spec import DeviceSpec
-from ..errors import CompileError
-from ..reasons import Reason, Why
-from . import decompose
-from .driver import PASSES, smoke_run, source_graph
+from ...device.spec import DeviceSpec
+from ...errors import CompileError
+from ...reasons import Reason, Why
+from ..passes import decompose
+from ..driver import PASSES, smoke_run, source_graph
 from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
-from ..graphs import reads_offsets
-from .region import Region, format_graph
+from ...graphs import reads_offsets
+from ..ir.region import Region, format_graph
 
 
 @dataclass(frozen=True)

@@ -58,16 +58,16 @@ def _inputs(request: dict) -> list:
 
 def _region(request: dict) -> tuple:
     """The graph, inputs and DeviceSpec of a request that sends a region."""
-    from ..device.spec import DeviceSpec
-    from .serialize import graph_from_json
+    from ...device.spec import DeviceSpec
+    from ..cache.serialize import graph_from_json
 
     return graph_from_json(request["graph"])[0], _inputs(request), DeviceSpec(**request["spec"])
 
 
 def compile_request(request: dict) -> bytes:
     """The disk cache entry of the region a request describes."""
-    from .cache import entry_payload
-    from .driver import compile_uncached
+    from ..cache.regions import entry_payload
+    from ..driver import compile_uncached
 
     gm, inputs, spec = _region(request)
     return entry_payload(request["key"], compile_uncached(gm, inputs, spec, request["name"]))
@@ -82,7 +82,7 @@ def generic_request(request: dict) -> bytes:
     """Compile a shape-generic region and keep it; reply with its guards and the example size's
     tile programs."""
     from .wire import made_to_json
-    from .symbolic import Dynamic, compile_generic
+    from ..generic.symbolic import Dynamic, compile_generic
 
     gm, inputs, spec = _region(request)
     dynamic = Dynamic(tuple(frozenset(dims) for dims in request["dims"]),

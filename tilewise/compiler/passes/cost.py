@@ -14,11 +14,11 @@ from typing import NamedTuple
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ..device.cost import SCALAR_OPS, compute_seconds, dma_seconds, engine_of, kernel_seconds
-from ..device.spec import DeviceSpec
+from ...device.cost import SCALAR_OPS, compute_seconds, dma_seconds, engine_of, kernel_seconds
+from ...device.spec import DeviceSpec
 from .ops import val
-from .region import Region
-from .tile_ir import Kernel, Launch, Ops
+from ..ir.region import Region
+from ..ir.tile_ir import Kernel, Launch, Ops
 
 
 class LaunchCost(NamedTuple):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .c_exprs import NativeReason, Unsupported, c_type
-from .tile_ir import HbmRef, Kernel
+from ..ir.tile_ir import HbmRef, Kernel
 
 
 @dataclass(frozen=True)

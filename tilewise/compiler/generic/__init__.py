@@ -1,0 +1,1 @@
+"""Shape-generic regions (`symbolic.py`) and their parametric tile programs (`parametric.py`)."""
