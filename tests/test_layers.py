@@ -1,12 +1,16 @@
-"""What `import tilewise` costs a program: the engine's layers that a program only needs once it
-compiles (the compiler, Dynamo for torch.compile, networkx for the stability analysis) load on
-first use, not at import."""
+"""The package's layers. What `import tilewise` costs a program: the engine's layers that a program
+only needs once it compiles (the compiler, Dynamo for torch.compile, networkx for the stability
+analysis) load on first use, not at import. And how its modules import one another: no circle, no
+import from a layer above (`LAYERS`), none between layers held apart (`INDEPENDENT`), every import
+statement counted, inside functions too (not those under `if TYPE_CHECKING:`, which never run)."""
 import ast
 import os
 import subprocess
 import sys
 
 import networkx
+import pytest
+import torch
 
 import tilewise
 
@@ -31,13 +35,17 @@ def test_the_torch_compile_backend_is_found_through_the_entry_point_alone():
 # from its own layer or lower ones. The most specific prefix names a module's layer.
 LAYERS = (
     ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads",
-     "tilewise.collector", "tilewise.settings_doc"),
+     "tilewise.collector", "tilewise.settings_doc", "tilewise.op_facts"),
     ("tilewise.device", "tilewise.distributed.cost"),
     ("tilewise.eager",),
     ("tilewise.compiler",),
     ("tilewise.adaptive",),
     ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
 )
+
+# Layers that share nothing but what lies below both: the compiler reads what it needs to know of an
+# op from tilewise.op_facts, which eager fills, and never eager itself (nor eager the compiler).
+INDEPENDENT = (("tilewise.eager", "tilewise.compiler"),)
 
 
 def _type_checking_nodes(tree) -> set:
@@ -98,3 +106,25 @@ def test_the_package_has_no_import_circle():
 def test_no_module_imports_from_a_layer_above_its_own():
     upward = [(a, b) for a, b in import_graph().edges if layer_of(b) > layer_of(a)]
     assert upward == [], upward
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_independent_layers_import_nothing_of_each_other():
+    crossing = [(a, b) for a, b in import_graph().edges for one, other in INDEPENDENT
+                if _within(a, one) and _within(b, other) or _within(a, other) and _within(b, one)]
+    assert crossing == [], crossing
+
+
+def test_a_fact_about_an_op_is_stated_once():
+    from tilewise import op_facts
+
+    assert torch.ops.aten._thnn_fused_lstm_cell.default in op_facts.COMPOSITE  # filled by eager at import
+    assert "empty" in op_facts.NO_KERNEL
+    with pytest.raises(op_facts.DuplicateFact, match="empty"):
+        op_facts.NO_KERNEL.register({"empty"})
+    with pytest.raises(op_facts.DuplicateFact, match="_thnn_fused_lstm_cell"):
+        op_facts.COMPOSITE.register({torch.ops.aten._thnn_fused_lstm_cell.default: print})
+    assert op_facts.COMPOSITE[torch.ops.aten._thnn_fused_lstm_cell.default] is not print

@@ -9,8 +9,7 @@ import torch.utils._pytree as pytree
 from ..device.spec import DeviceSpec
 from .native import bindings
 from .passes.cost import estimate_cost
-from ..eager.composite import COMPOSITES
-from ..eager.plan import MATERIALIZED
+from ..op_facts import COMPOSITE, MATERIALIZED
 from .native.c_exprs import NativeReason
 from .passes.decompose import decompose, flat_module, host_factories, rounds_otherwise
 from .passes.emit import emit
@@ -189,7 +188,7 @@ def _host_target(target):
     run_host): real zeros for autograd's ZeroTensors; a device-only fused op (an RNN cell recorded
     under inference_mode) as its aten ops where the host has no kernel for it."""
     target = MATERIALIZED.get(target, target)
-    composite = COMPOSITES.get(target)
+    composite = COMPOSITE.get(target)
     if composite is None:
         return target
 

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from .. import op_facts
 from . import cpu_rnn, sync_batch_norm
 
 aten = torch.ops.aten
@@ -157,6 +158,7 @@ COMPOSITES: dict[torch._ops.OpOverload, Callable] = {
     aten._pad_packed_sequence.default: aten._pad_packed_sequence.default.decompose,
     **sync_batch_norm.COMPOSITES,
 }
+op_facts.COMPOSITE.register(COMPOSITES)
 
 # Ops whose composite also replaces them above autograd on `neuron` (see the module's docstring).
 _ABOVE_AUTOGRAD = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_pack_padded_sequence", "record_stream",

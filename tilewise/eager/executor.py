@@ -15,7 +15,8 @@ from ..device.runtime import DEVICE
 from ..device.tensor import TRACED, NeuronTensor, foreign_subclass, wrap, wrap_output
 from ..errors import DeviceError
 from . import composite, cuda_inputs
-from .plan import MATERIALIZED, PLANS, OpPlan, plan_of
+from ..op_facts import MATERIALIZED
+from .plan import PLANS, OpPlan, plan_of
 
 CPU = torch.device("cpu")
 _Tensor = torch.Tensor

@@ -6,21 +6,22 @@ from typing import Callable, NamedTuple
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from .. import op_facts
 from ..device.cost import engine_of
 from . import cuda_inputs
 from .composite import COMPOSITES
 
 # In-place ops that change a tensor's shape or strides (besides those tagged inplace_view): they
 # run on the host buffer and the device tensor then takes the buffer's new metadata.
-METADATA_MUTATING = frozenset({
+op_facts.CHANGES_METADATA.register({
     "resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
     "swapdims_", "swapaxes_",
 })
 
 # Ops that only allocate or relabel memory: no engine work, so no kernel (as on CUDA). The outputs
 # of `_unsafe_view` alias its input like a view's; its schema just does not say so.
-NO_KERNEL = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
-                       "new_empty_strided"})
+op_facts.NO_KERNEL.register({"_unsafe_view", "empty", "empty_like", "empty_strided", "empty_permuted",
+                             "new_empty", "new_empty_strided"})
 
 # Ops whose whole point is to move data between host and device.
 CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to"})
@@ -29,7 +30,7 @@ CROSS_DEVICE = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_c
 # Host results a device buffer cannot stand for, and what the device makes instead: autograd's
 # zero gradients (sgn's, say) are ZeroTensors, which have no memory for a wrapper to hold (nor
 # for a compiled region's recorded graph to write into a buffer: an op reading one crashes).
-MATERIALIZED = {torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default}
+op_facts.MATERIALIZED.register({torch.ops.aten._efficientzerotensor.default: torch.ops.aten.zeros.default})
 
 
 class OpPlan(NamedTuple):
@@ -141,13 +142,13 @@ def _make_plan(func) -> OpPlan:
     return OpPlan(
         name=name,
         view=view,
-        kernel=not view and name not in NO_KERNEL,
+        kernel=not view and name not in op_facts.NO_KERNEL,
         aliases=tuple(returned_writes) if mutating else None,
         mutates=bool(written_by_set),
         engine=engine_of(name, flops is not None),
         flops=flops,
         cross_device=cross_device,
-        metadata_mutating=name in METADATA_MUTATING or torch.Tag.inplace_view in func.tags,
+        metadata_mutating=op_facts.changes_metadata(func),
         composite=composite,
         implicit=implicit,
         func=func,

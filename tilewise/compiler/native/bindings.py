@@ -22,7 +22,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ...eager.plan import plan_of
+from ...op_facts import changes_metadata
 
 _FUNCTIONS = torch._C._VariableFunctions
 _METHODS = torch._C.TensorBase
@@ -163,7 +163,7 @@ def _candidate(op) -> object | None:
     then (a list of tensors or several results may come back in another container), and the
     op changes no tensor's shape in place (the try on the meta arguments would, once more)."""
     binding = binding_of(op)
-    if binding is None or plan_of(op).metadata_mutating:
+    if binding is None or changes_metadata(op):
         return None
     returns = op._schema.returns
     return binding if len(returns) == 1 and isinstance(returns[0].type, torch.TensorType) else None

@@ -10,7 +10,7 @@ import torch
 
 from ...reasons import Reason, Why
 
-from ...eager.plan import NO_KERNEL
+from ...op_facts import NO_KERNEL
 
 aten = torch.ops.aten
 prims = torch.ops.prims

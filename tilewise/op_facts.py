@@ -1,0 +1,58 @@
+"""What the eager executor and the compiler both know about an aten op, in the layer below both.
+
+Each fact is one table, filled by the module that states the fact, for each op once:
+- `NO_KERNEL`, `CHANGES_METADATA` (by overload packet name) and `MATERIALIZED` in eager/plan.py;
+- `COMPOSITE`, an op's computation in aten ops where the host has no kernel, in eager/composite.py.
+The compiler reads them here, so it imports nothing of eager. `import tilewise` imports eager before
+anything can compile, so the tables are full by the time the compiler reads them.
+
+A second registration of an op in a table raises `DuplicateFact`: two modules cannot state a fact
+about one op twice, and the one imported last does not silently win."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+
+class DuplicateFact(ValueError):
+    pass
+
+
+class Fact:
+    """One fact about ops: op (an OpOverload, or a packet name where the fact is per packet) -> value.
+    Read as a dict is (`in`, `get`, `[]`); written only through `register`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._table: dict = {}
+        self.get = self._table.get  # the executor reads MATERIALIZED per op: a dict's own method
+
+    def register(self, entries: Mapping | Iterable) -> None:
+        """Add `entries` (op -> value, or ops whose value is True), none of them stated before."""
+        entries = dict(entries) if isinstance(entries, Mapping) else dict.fromkeys(entries, True)
+        twice = sorted(map(str, entries.keys() & self._table.keys()))
+        if twice:
+            raise DuplicateFact(f"{self.name}: expected each op once, got {', '.join(twice)} again")
+        self._table.update(entries)
+
+    def __contains__(self, op) -> bool:
+        return op in self._table
+
+    def __getitem__(self, op):
+        return self._table[op]
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+NO_KERNEL = Fact("ops that launch no kernel (packet names)")
+CHANGES_METADATA = Fact("in-place ops that change a tensor's shape or strides (packet names)")
+MATERIALIZED = Fact("host results a device buffer cannot stand for -> the op that makes one instead")
+COMPOSITE = Fact("an op's computation in aten ops, where the host has no kernel for it")
+
+
+def changes_metadata(op: torch._ops.OpOverload) -> bool:
+    """Whether the op changes its tensor's shape or strides in place: the wrapper (the eager device
+    tensor, a binding's result) must take the new metadata."""
+    return op._overloadpacket.__name__ in CHANGES_METADATA or torch.Tag.inplace_view in op.tags
