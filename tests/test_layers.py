@@ -32,13 +32,23 @@ def test_the_torch_compile_backend_is_found_through_the_entry_point_alone():
 
 
 # The package's layers, lowest first: a module imports (at module level or inside a function) only
-# from its own layer or lower ones. The most specific prefix names a module's layer.
+# from its own layer or lower ones. The most specific prefix names a module's layer. The compiler's
+# subpackages are layers of their own, in pipeline order; cache.disk (the signed directory that the
+# native libraries and the compiled regions are both kept in) sits below the native backend.
 LAYERS = (
     ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads",
      "tilewise.collector", "tilewise.settings_doc", "tilewise.op_facts"),
     ("tilewise.device", "tilewise.distributed.cost"),
     ("tilewise.eager",),
-    ("tilewise.compiler",),
+    ("tilewise.compiler.ir",),
+    ("tilewise.compiler.cache.disk",),
+    ("tilewise.compiler.native",),
+    ("tilewise.compiler.passes",),
+    ("tilewise.compiler.driver",),
+    ("tilewise.compiler.generic",),
+    ("tilewise.compiler.cache",),
+    ("tilewise.compiler.process",),
+    ("tilewise.compiler",),  # entry.py, backend.py and the package itself
     ("tilewise.adaptive",),
     ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
 )
@@ -116,6 +126,12 @@ def test_independent_layers_import_nothing_of_each_other():
     crossing = [(a, b) for a, b in import_graph().edges for one, other in INDEPENDENT
                 if _within(a, one) and _within(b, other) or _within(a, other) and _within(b, one)]
     assert crossing == [], crossing
+
+
+def test_every_layer_names_modules_that_exist():
+    modules = set(import_graph())
+    stale = [prefix for layer in LAYERS for prefix in layer if not any(_within(m, prefix) for m in modules)]
+    assert stale == [], stale
 
 
 def test_a_fact_about_an_op_is_stated_once():
