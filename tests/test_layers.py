@@ -1,6 +1,6 @@
 """The package's layers. What `import tilewise` costs a program: the engine's layers that a program
 only needs once it compiles (the compiler, Dynamo for torch.compile, networkx for the stability
-analysis) load on first use, not at import. And how its modules import one another: no circle, no
+analysis, sympy for symbolic sizes) load on first use, not at import. And how its modules import one another: no circle, no
 import from a layer above (`LAYERS`), none between layers held apart (`INDEPENDENT`), every import
 statement counted, inside functions too (not those under `if TYPE_CHECKING:`, which never run)."""
 import ast
@@ -14,10 +14,10 @@ import torch
 
 import tilewise
 
-LAZY = ("tilewise.compiler", "torch._dynamo", "networkx")
+LAZY = ("tilewise.compiler", "torch._dynamo", "networkx", "sympy")
 
 
-def test_import_tilewise_loads_no_compiler_no_dynamo_no_networkx():
+def test_import_tilewise_loads_no_compiler_no_dynamo_no_networkx_no_sympy():
     probe = f"import sys, tilewise; print([m for m in sys.modules if m.split('.')[0] in {LAZY!r} or " \
             f"any(m == p or m.startswith(p + '.') for p in {LAZY!r})])"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

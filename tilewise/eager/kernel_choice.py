@@ -79,7 +79,6 @@ import contextlib
 import torch
 from torch._decomp import decompositions
 from torch._prims_common import suggest_memory_format
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.nn.attention import SDPBackend
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd, swa_utils
@@ -155,6 +154,8 @@ def _host_like(tensor, traced: bool) -> torch.Tensor:
     symbol) all answer alike."""
     data = tensor._data if type(tensor) is NeuronTensor else tensor
     if traced:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint  # sympy's 0.4 s: when tracing
+
         sizes = [optimization_hint(n, fallback=2) for n in data.shape]
         strides = [optimization_hint(n, fallback=1) for n in data.stride()]
         data = torch.empty_strided(sizes, strides, dtype=data.dtype)
