@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tilewise
-from tilewise.adaptive.compiling import in_compiler_thread
+from tilewise.adaptive.compiler_calls import in_compiler_thread
 from tilewise.compiler.native import build as native, tiers
 from tilewise.host_threads import _thread_count_setters, run_kernels_serially
 from tilewise.workloads import MLP

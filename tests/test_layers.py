@@ -68,8 +68,9 @@ def _type_checking_nodes(tree) -> set:
     return skip
 
 
-def import_graph() -> networkx.DiGraph:
-    """Module -> the package's modules it imports, wherever the import statement is."""
+def import_graph(annotations: bool = False) -> networkx.DiGraph:
+    """Module -> the package's modules it imports, wherever the import statement is (with
+    `annotations`, under `if TYPE_CHECKING:` too)."""
     package_dir = os.path.dirname(tilewise.__file__)
     root = os.path.dirname(package_dir)
     modules = {}
@@ -83,7 +84,7 @@ def import_graph() -> networkx.DiGraph:
     for module, (path, is_package) in modules.items():
         graph.add_node(module)
         tree = ast.parse(open(path).read())
-        skip = _type_checking_nodes(tree)
+        skip = set() if annotations else _type_checking_nodes(tree)
         package = module if is_package else module.rpartition(".")[0]
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -108,8 +109,9 @@ def layer_of(module: str) -> int:
     return max(matches)[1]
 
 
-def test_the_package_has_no_import_circle():
-    cycles = list(networkx.simple_cycles(import_graph()))
+@pytest.mark.parametrize("annotations", [False, True], ids=["run-time imports", "annotation imports too"])
+def test_the_package_has_no_import_circle(annotations):
+    cycles = list(networkx.simple_cycles(import_graph(annotations)))
     assert cycles == [], cycles
 
 

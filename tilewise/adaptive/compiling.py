@@ -1,7 +1,7 @@
 """The runtime's part in compiling regions: a region of a flush observed as a policy.RegionState
 (`_observe`: what the caches hold for its key, for its key at other input offsets, what its
 site and the counts say), `policy.decide` asked, and its action done (`_act`); the compiler called
-on a thread of its own, or handed the region to compile in the compile process (background
+on its thread (compiler_calls.py), or handed the region to compile in the compile process (background
 compiles) and the result taken in at a later flush; a compiled region cached under its key and told
 to the statistics and the events. A region the compiler fails on is held as `policy.Failed`, with
 the reason, and runs eagerly from then on.
@@ -10,24 +10,20 @@ and asks the runtime's `GenericSites` (generic.py) about sizes that change.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import enum
-import os
-import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..config import config
-from ..errors import ConfigError
 from ..device.runtime import DEVICE
 from ..graphs import reads_offsets
-from ..host_threads import run_kernels_serially
 from . import events, shapes
 from .policy import (Action, Compiled, Decision, Failed, InFlight, Job, Mode, Reason, RegionState, Resized, Unsupported,
                      Waiting, Why, compiles_in_background, decide, native_after_runs)
 from .regions import CompiledEntry, Region, build_graph, mixes_dtypes_on_shared_storage, without_offsets
+from .compiler_calls import compile_failure, give_up, in_compiler_thread
 from .segment import Segment
 
 if TYPE_CHECKING:
@@ -46,37 +42,6 @@ class ReadsOffsets(enum.Enum):
 
 
 READS_OFFSETS = ReadsOffsets.READS_OFFSETS
-
-_thread_role = threading.local()
-
-
-def _mark_compiler_thread() -> None:
-    _thread_role.compiler = True
-    run_kernels_serially()  # its trace and smoke run must not slow the program's kernels
-
-
-def on_compiler_thread() -> bool:
-    """Whether this is the compiler's thread, which traces host buffers only: a device op there
-    would wait for the runtime's lock, held by the flush waiting for the compile (a hang)."""
-    return getattr(_thread_role, "compiler", False)
-
-
-def _compiler_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilewise-compile",
-                                                 initializer=_mark_compiler_thread)
-
-
-_COMPILER_THREAD = _compiler_thread()
-
-
-def _after_fork_in_child() -> None:
-    """A fork copies the executor but not its thread: the fork's compiles get a thread of their own."""
-    global _COMPILER_THREAD
-    _COMPILER_THREAD = _compiler_thread()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 class Compiling(NamedTuple):
     """A region compiling in the background: the job, and the graph it was asked for (the
@@ -110,29 +75,6 @@ def _held(value, at_other_offsets: bool) -> RegionState | None:
 def _site_ops(segment: Segment, region: Region) -> tuple:
     """A region's site in compiled mode, where signatures per site are counted: its ops."""
     return tuple(segment.nodes[n].func for n in region.nodes)
-
-
-def in_compiler_thread(compile_fn, *args, **kwargs):
-    """Call the compiler and wait. It traces with fake tensors and functionalization of its own;
-    a flush may run inside the tracer's dispatch of the op that caused it, whose thread-local
-    dispatch state breaks that tracing. A thread of its own starts from clean state."""
-    return _COMPILER_THREAD.submit(compile_fn, *args, **kwargs).result()
-
-
-def give_up(memory: EngineMemory, stats: Stats, region: Region, reason: Reason) -> None:
-    """Hold the region as failed (at every input offset: it fails alike there) and count why."""
-    failed = Failed(reason)
-    memory.regions.put(region.key, failed)
-    memory.offset_free.put(without_offsets(region.key), failed)
-    stats.fallback("<region>", str(reason), len(region.nodes), source=False)
-
-
-def compile_failure(error: Exception) -> Reason:
-    """Why a region runs eagerly after its compile raised `error`; a setting the compile read and
-    refused (ConfigError) is the program's error, raised, never a silent fallback to eager."""
-    if isinstance(error, ConfigError):
-        raise error
-    return Reason(Why.COMPILE_FAILED, f"{type(error).__name__}: {error}"[:100])
 
 
 class RegionCompiler:

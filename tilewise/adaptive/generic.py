@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..config import config
 from ..device.runtime import DEVICE
 from . import events, regions, shapes
-from .compiling import compile_failure, give_up, in_compiler_thread
+from .compiler_calls import compile_failure, give_up, in_compiler_thread
 from .policy import Job, Reason, Resized, Why, compiles_in_background
 from .regions import CompiledEntry, Region, Sized, build_graph, key_with
 from .segment import Segment

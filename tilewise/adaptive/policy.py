@@ -42,8 +42,6 @@ import torch
 from ..reasons import Reason, Why
 
 if TYPE_CHECKING:
-    from .compiling import Compiling
-    from .regions import CompiledEntry
     from .shapes import Changes
 
 
@@ -153,14 +151,14 @@ class Failed:
 class Compiled:
     """A compile serves the region: made for its key, or for its key at other input offsets
     (whose graphs read no offset)."""
-    entry: "CompiledEntry"
+    entry: object  # a regions.CompiledEntry (regions sits above the policy, which it reads)
     at_other_offsets: bool = False
 
 
 @dataclass(frozen=True)
 class InFlight:
     """Its compile (for its key or its key at other offsets) runs in the compile process."""
-    compiling: "Compiling"
+    compiling: object  # a compiling.Compiling (the runtime's part above the policy)
     job: Job
 
 

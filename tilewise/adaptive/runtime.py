@@ -33,7 +33,8 @@ from .analysis import NodeStep
 from .regions import RegionStep, describe, needed_values
 from .policy import (Kept, Mode, Reason, Settings, Why, copies_to_host, draws_random, is_dynamic, is_settling,
                      plan_kept, runs_now, shape_reads_data, stable_after)
-from .compiling import RegionCompiler, on_compiler_thread
+from .compiler_calls import on_compiler_thread
+from .compiling import RegionCompiler
 from .generic import GenericSites
 from .plans import CachedPlans, count_eager
 from .steps import StepRunner, Unfinished, every_node
