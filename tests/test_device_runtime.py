@@ -147,11 +147,13 @@ def test_benchmark_timer_works_with_tilewise_imported():
 
 
 def test_accelerator_entries_pass_through_when_neuron_is_not_the_accelerator(monkeypatch):
-    entry = torch._C._accelerator_getDeviceCapability
-    assert entry.pytorch is not entry and not hasattr(entry.pytorch, "pytorch")  # one layer, however often installed
+    from tilewise import patches
     from tilewise.device.accelerator import answer_accelerator_api
+
+    entry = torch._C._accelerator_getDeviceCapability
     answer_accelerator_api()
-    assert not hasattr(torch._C._accelerator_getDeviceCapability.pytorch, "pytorch")
+    assert torch._C._accelerator_getDeviceCapability is entry  # one layer, however often installed
+    assert patches.original("torch._C:_accelerator_getDeviceCapability") is not entry
     monkeypatch.setattr(torch._C, "_accelerator_getAccelerator", lambda: None)
     with pytest.raises(RuntimeError, match="doesn't support getting device capabilities"):
         torch._C._accelerator_getDeviceCapability(0)  # PyTorch's own, which knows no neuron

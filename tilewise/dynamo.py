@@ -30,6 +30,8 @@ import sys
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from . import patches
+
 _ROOT = pathlib.Path(__file__).parent
 _PACKAGE = _ROOT.name
 TRACEABLE = frozenset({"workloads"})  # module names Dynamo traces, wherever they are in the package
@@ -61,12 +63,12 @@ def engine_modules() -> list[str]:
 
 
 def _install_rules() -> None:
-    from torch._dynamo import eval_frame, trace_rules
-    if getattr(eval_frame._callback_from_stance, "tilewise", False):
+    from torch._dynamo import trace_rules
+    if "torch._dynamo.eval_frame:_callback_from_stance" in patches.installed():
         return
     for name in engine_modules():
         trace_rules.add(name)
-    eval_frame._callback_from_stance = _eager_in_engine_blocks(eval_frame._callback_from_stance)
+    patches.replace("torch._dynamo.eval_frame:_callback_from_stance", _eager_in_engine_blocks)
 
 
 def _in_engine_block() -> bool:
@@ -81,7 +83,6 @@ def _eager_in_engine_blocks(callback_from_stance):
             return None
         return callback_from_stance(callback)
 
-    _callback_from_stance.tilewise = True
     return _callback_from_stance
 
 

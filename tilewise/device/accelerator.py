@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import patches
 from . import neuron_module as neuron
 
 # What a neuron tensor can hold and convert between: its HBM buffer is a dense host tensor, so the
@@ -67,13 +68,10 @@ def _answering(name: str, pytorch, ours):
         return pytorch(*args)
 
     entry.__name__ = name
-    entry.pytorch = pytorch  # what it replaced: installing twice keeps one layer
     return entry
 
 
 def answer_accelerator_api() -> None:
     """Idempotent: replace each torch._C entry of _ANSWERS once."""
     for name, ours in _ANSWERS.items():
-        pytorch = getattr(torch._C, name)
-        pytorch = getattr(pytorch, "pytorch", pytorch)
-        setattr(torch._C, name, _answering(name, pytorch, ours))
+        patches.replace(f"torch._C:{name}", lambda pytorch, name=name, ours=ours: _answering(name, pytorch, ours))

@@ -4,10 +4,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+from .. import patches
 from . import backward_errors, neuron_module
 
 _PACKAGE = __name__.split(".")[0] + "."  # "tilewise.": the engine's modes are defined under it
@@ -39,7 +41,7 @@ def _start_autograd_without_device_threads() -> None:
         torch.autograd.grad(leaf * 2.0, leaf)
 
 
-def backward_on_calling_thread(device) -> None:
+def backward_on_calling_thread() -> None:
     """Backward through neuron tensors runs on the thread that calls it, as it does for CPU tensors.
 
     The autograd engine gives each accelerator index a worker thread, so that a real device's
@@ -54,19 +56,15 @@ def backward_on_calling_thread(device) -> None:
     allows, so the same gradients. PyTorch's own torch.compiler patches the same two names.
     An error an op raises inside it reaches the caller as itself (backward_errors.py).
     """
-    from torch.autograd import graph
+    def run_on_calling_thread(original):
+        @functools.wraps(original)
+        def run_backward(*args, **kwargs):
+            with torch.autograd.set_multithreading_enabled(False):
+                return backward_errors.run_backward(original, *args, **kwargs)
 
-    original = graph._engine_run_backward
-    if getattr(original, "device", None) is device:
-        return
+        return run_backward
 
-    @functools.wraps(original)
-    def run_backward(*args, **kwargs):
-        with torch.autograd.set_multithreading_enabled(False):
-            return backward_errors.run_backward(original, *args, **kwargs)
-
-    run_backward.device = device
-    graph._engine_run_backward = torch.autograd._engine_run_backward = run_backward
+    patches.replace("torch.autograd.graph:_engine_run_backward", run_on_calling_thread)
 
 
 def use_foreach_optimizers(tensor_type: type) -> None:
@@ -92,29 +90,43 @@ def convert_modules_in_place(tensor_type: type) -> None:
     conversions do. Between host and device the two tensor types are not shallow-copy compatible,
     so a parameter moving there is swapped where swap_tensors will take it, and otherwise (a live
     graph holds it) replaced by a new Parameter, as _apply does for other incompatible types.
-    _apply asks its module's global about `param_applied` only; the parameter itself is `param` in
-    its frame (torch 2.13-2.14; without it, PyTorch's own answer stands).
+    _apply asks its module's global about `param_applied` only: the parameter it converts is the
+    tensor its `fn` was last applied to on this thread, which _apply, wrapped, notes.
     """
-    from torch.nn.modules import module
+    def noting_each_tensor(apply):
+        @functools.wraps(apply)
+        def _apply(self, fn, recurse=True):
+            def noted(tensor):
+                _converting.tensor = tensor
+                return fn(tensor)
 
-    swaps = module.is_traceable_wrapper_subclass
-    if getattr(swaps, "exempt", None) is tensor_type:
-        return
+            try:
+                return apply(self, noted, recurse)
+            finally:
+                _converting.tensor = None
 
-    def swaps_unless_ours(tensor) -> bool:
-        param = sys._getframe(1).f_locals.get("param")
-        moved_from, moved_to = isinstance(param, tensor_type), isinstance(tensor, tensor_type)
-        if param is None or not (moved_from or moved_to):
-            return swaps(tensor)
-        if moved_from and moved_to:
-            return False  # neuron to neuron: param.data = new
-        # between host and device: a swap keeps the Parameter object where swap_tensors takes it
-        # (nothing but its gradient accumulator references it); else a new Parameter (ties split)
-        uses = param._use_count()
-        return uses == 1 or uses == 2 and param.grad is not None
+        return _apply
 
-    swaps_unless_ours.exempt = tensor_type
-    module.is_traceable_wrapper_subclass = swaps_unless_ours
+    def unless_ours(swaps):
+        def swaps_unless_ours(tensor) -> bool:
+            param = getattr(_converting, "tensor", None)
+            moved_from, moved_to = isinstance(param, tensor_type), isinstance(tensor, tensor_type)
+            if param is None or not (moved_from or moved_to):
+                return swaps(tensor)
+            if moved_from and moved_to:
+                return False  # neuron to neuron: param.data = new
+            # between host and device: a swap keeps the Parameter object where swap_tensors takes it
+            # (nothing but its gradient accumulator references it); else a new Parameter (ties split)
+            uses = param._use_count()
+            return uses == 1 or uses == 2 and param.grad is not None
+
+        return swaps_unless_ours
+
+    patches.replace("torch.nn.modules.module:Module._apply", noting_each_tensor)
+    patches.replace("torch.nn.modules.module:is_traceable_wrapper_subclass", unless_ours)
+
+
+_converting = threading.local()  # .tensor: what Module._apply's fn was last applied to on this thread
 
 
 def share_between_processes(tensor_type: type, reduce) -> None:

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from .. import patches
 from ..errors import DeviceError
 
 NAME = "tilewise_neuron_generator"
@@ -88,9 +89,8 @@ class Generator(_BASE, metaclass=_GeneratorType):
 
 def install() -> None:
     """torch.Generator becomes the subclass above (idempotent)."""
-    if torch.Generator is not Generator:
-        Generator.__module__, Generator.__qualname__ = "torch", "Generator"
-        torch.Generator = Generator
+    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+    patches.replace("torch:Generator", lambda pytorch: Generator)
 
 
 def is_neuron(value) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import patches
 from ..errors import DeviceError
 
 
@@ -87,7 +88,6 @@ _COMM = {"_broadcast": broadcast, "_broadcast_out": broadcast_out, "_broadcast_c
 
 
 def data_parallel_across_cores() -> None:
-    """Give torch._C each comm function it lacks; idempotent."""
+    """Give torch._C each comm function it lacks (a CPU build has none); idempotent."""
     for name, function in _COMM.items():
-        if not hasattr(torch._C, name):
-            setattr(torch._C, name, function)
+        patches.replace(f"torch._C:{name}", lambda absent, function=function: function)

@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from .. import patches
 from .runtime import DEVICE
 
 # Before torch's own "cpu" tag (10), which would claim every host storage, and before its
@@ -77,7 +78,6 @@ def _rebuild_on_device(host_rebuild, wrap):
             return tensor
         return wrap(tensor, core)
 
-    rebuild_tensor.host_rebuild = host_rebuild
     return rebuild_tensor
 
 
@@ -86,8 +86,7 @@ def register(wrap) -> None:
     `wrap(host_tensor, core)` makes the device tensor of a storage bound for a core."""
     if not any(entry[0] == PRIORITY and entry[1] is _tag for entry in torch.serialization._package_registry):
         torch.serialization.register_package(PRIORITY, _tag, _restore)
-    if not hasattr(torch._utils._rebuild_tensor, "host_rebuild"):
-        # _rebuild_tensor_v2/_v3 call it through the module; weights_only=True looks it up by name
-        # in a table it builds once (reset, in case a load ran before tilewise was imported)
-        torch._utils._rebuild_tensor = _rebuild_on_device(torch._utils._rebuild_tensor, wrap)
-        torch._weights_only_unpickler._get_allowed_globals.cache_clear()
+    # _rebuild_tensor_v2/_v3 call it through the module; weights_only=True looks it up by name in a
+    # table it builds once (reset, in case a load ran before tilewise was imported)
+    patches.replace("torch._utils:_rebuild_tensor", lambda host_rebuild: _rebuild_on_device(host_rebuild, wrap))
+    torch._weights_only_unpickler._get_allowed_globals.cache_clear()

@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from .. import patches
 from ..errors import DeviceError
 
 STORAGE_MESSAGE = (
@@ -44,19 +45,16 @@ def _has_neuron_tensor(values) -> bool:
 
 def refuse_storages() -> None:
     """torch.UntypedStorage(..., device='neuron') raises DeviceError (idempotent)."""
-    storage_type = torch.UntypedStorage
-    if getattr(storage_type.__new__, "refuses_neuron", False):
-        return
-    make = storage_type.__new__
+    def refusing_neuron(make):
+        def __new__(cls, *args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and _names_neuron(device):
+                raise DeviceError(STORAGE_MESSAGE)
+            return make(cls, *args, **kwargs)
 
-    def __new__(cls, *args, **kwargs):
-        device = kwargs.get("device")
-        if device is not None and _names_neuron(device):
-            raise DeviceError(STORAGE_MESSAGE)
-        return make(cls, *args, **kwargs)
+        return __new__
 
-    __new__.refuses_neuron = True
-    storage_type.__new__ = __new__
+    patches.replace("torch:UntypedStorage.__new__", refusing_neuron)
 
 
 def _refusing_neuron(make):
@@ -66,7 +64,6 @@ def _refusing_neuron(make):
             raise DeviceError(NESTED_MESSAGE)
         return make(*args, **kwargs)
 
-    nested.refuses_neuron = True
     return nested
 
 
@@ -85,9 +82,7 @@ def refuse_nested() -> None:
     if _libraries:
         return
     for name in _MAKERS:
-        make = getattr(torch.nested, name, None)
-        if make is not None and not getattr(make, "refuses_neuron", False):
-            setattr(torch.nested, name, _refusing_neuron(make))
+        patches.replace(f"torch.nested:{name}", _refusing_neuron)
     library = torch.library.Library("aten", "IMPL")
     for op in ("_to_copy", "copy_", "empty_like"):
         library.impl(op, _refuse_nested_kernel, "NestedTensorPrivateUse1")
@@ -96,18 +91,13 @@ def refuse_nested() -> None:
 
 
 def _refuse_jagged_moves() -> None:
-    from torch.nested._internal import ops
+    def refusing_neuron(move):
+        @functools.wraps(move)
+        def to_copy_refusing_neuron(*args, **kwargs):
+            if _names_neuron(kwargs.get("device")):
+                raise DeviceError(NESTED_MESSAGE)
+            return move(*args, **kwargs)
 
-    to_copy = torch.ops.aten._to_copy.default
-    move = ops.JAGGED_OPS_TABLE.get(to_copy)
-    if move is None or getattr(move, "refuses_neuron", False):
-        return
+        return to_copy_refusing_neuron
 
-    @functools.wraps(move)
-    def to_copy_refusing_neuron(*args, **kwargs):
-        if _names_neuron(kwargs.get("device")):
-            raise DeviceError(NESTED_MESSAGE)
-        return move(*args, **kwargs)
-
-    to_copy_refusing_neuron.refuses_neuron = True
-    ops.JAGGED_OPS_TABLE[to_copy] = to_copy_refusing_neuron
+    patches.replace("torch.nested._internal.ops:JAGGED_OPS_TABLE[aten._to_copy.default]", refusing_neuron)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from torch.distributed.tensor import _dispatch, _random
+from .. import patches
 
 
 def _cpu_like(is_rng_supported_mesh):
@@ -20,13 +20,9 @@ def _cpu_like(is_rng_supported_mesh):
     def is_rng_supported(device_mesh) -> bool:
         return device_mesh.device_type != "neuron" and is_rng_supported_mesh(device_mesh)
 
-    is_rng_supported.tilewise = True
     return is_rng_supported
 
 
 def install() -> None:
-    """Idempotent; both names DTensor reads it under."""
-    if getattr(_random.is_rng_supported_mesh, "tilewise", False):
-        return
-    _random.is_rng_supported_mesh = _cpu_like(_random.is_rng_supported_mesh)
-    _dispatch.is_rng_supported_mesh = _random.is_rng_supported_mesh
+    """Idempotent; both names DTensor reads it under (the manifest's `also`)."""
+    patches.replace("torch.distributed.tensor._random:is_rng_supported_mesh", _cpu_like)

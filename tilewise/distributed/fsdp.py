@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import patches
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor
 
@@ -53,11 +54,12 @@ def _as_aten_ops(kernel):
 def install(engine_mode) -> None:
     """Route FSDP2's alloc/free of neuron tensors to their host buffers, and its custom copy ops
     to aten ops inside the engine (`engine_mode`: the engine's TorchDispatchMode class). Once."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = lambda t: _alloc_storage(t, alloc)
-    _fsdp_param.free_storage = lambda t: _free_storage(t, free)
+    patches.replace("torch.distributed.fsdp._fully_shard._fsdp_param:alloc_storage",
+                    lambda alloc: lambda t: _alloc_storage(t, alloc))
+    patches.replace("torch.distributed.fsdp._fully_shard._fsdp_param:free_storage",
+                    lambda free: lambda t: _free_storage(t, free))
     for name, kernel in (("fsdp::all_gather_copy_in", _fsdp_collectives.all_gather_copy_in_cuda),
                          ("fsdp::split_with_sizes_copy", _fsdp_collectives.split_with_sizes_copy),
                          ("fsdp::chunk_cat", _fsdp_collectives.chunk_cat)):

@@ -75,15 +75,15 @@ PyTorch's Python and derivatives.yaml for device-type branches); `install` sets 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
-from torch._decomp import decompositions
 from torch._prims_common import suggest_memory_format
 from torch.nn.attention import SDPBackend
-from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
-from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd, swa_utils
+from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import patches
 from ..device.tensor import TRACED, NeuronTensor
 from ..errors import DeviceError
 from . import cpu_rnn
@@ -315,13 +315,14 @@ def install() -> None:
     global _library
     if _library is not None:
         return
-    # PyTorch's Python that picks by device type: each function wrapped once (install runs once)
-    LinearCrossEntropyOptions._adjust = _resolved_as_on_cpu(LinearCrossEntropyOptions._adjust)
+    # PyTorch's Python that picks by device type
+    patches.replace("torch.nn.modules.linear_cross_entropy_options:LinearCrossEntropyOptions._adjust",
+                    _resolved_as_on_cpu)
     for module in OPTIMIZERS:
-        module._default_to_fused_or_foreach = _loop_on_neuron(module._default_to_fused_or_foreach,
-                                                              always=module in FOREACH_ROUNDS_OTHERWISE)
-    swa_utils._get_foreach_kernels_supported_devices = _without_neuron(swa_utils._get_foreach_kernels_supported_devices)
-    decompositions._upsample_linear_vec = _kernel_on_neuron(decompositions._upsample_linear_vec)
+        patches.replace(f"{module.__name__}:_default_to_fused_or_foreach",
+                        functools.partial(_loop_on_neuron, always=module in FOREACH_ROUNDS_OTHERWISE))
+    patches.replace("torch.optim.swa_utils:_get_foreach_kernels_supported_devices", _without_neuron)
+    patches.replace("torch._decomp.decompositions:_upsample_linear_vec", _kernel_on_neuron)
     _library = torch.library.Library("aten", "IMPL")
     for name in ops_cpu_runs_whole():
         _library.impl(name.removeprefix("aten::"), _unreachable, "PrivateUse1")

@@ -17,11 +17,11 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import patches
 from ..device.runtime import DEVICE
 from ..device.tensor import NeuronTensor, wrap
 from ..errors import DeviceError
 
-_installed = False
 
 
 class _Packing(DeviceError):
@@ -69,9 +69,5 @@ def _host(value):
 
 def install() -> None:
     """Idempotent."""
-    global _installed
-    if _installed:
-        return
-    torch._nested_tensor_from_mask = _refusing_neuron(torch._nested_tensor_from_mask)
-    torch.nn.TransformerEncoder.forward = _on_host_when_packing(torch.nn.TransformerEncoder.forward)
-    _installed = True
+    patches.replace("torch:_nested_tensor_from_mask", _refusing_neuron)
+    patches.replace("torch.nn:TransformerEncoder.forward", _on_host_when_packing)
