@@ -6,6 +6,8 @@ import pytest
 # cache, on by default for users, has tests of its own that name their directories); set here, not
 # in a fixture, so the programs tests start in subprocesses inherit it.
 os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
+# Every compile the suite makes is checked against the IR's spec after each pass (IRError names the pass).
+os.environ.setdefault("TILEWISE_VERIFY_IR", "on")
 
 import tilewise  # noqa: E402
 

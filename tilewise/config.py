@@ -156,6 +156,9 @@ SETTINGS: dict[str, Setting] = {
                                   "for the compile (compiled mode always does)"),
     "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
                                "most recent kernels the timeline keeps for trace export"),
+    "verify_ir": Setting("off", "TILEWISE_VERIFY_IR", _choice(ON_OFF),
+                         "debug: on checks the compiler's region and tile IR against its spec after every pass "
+                         "(tilewise/compiler/ir/verify.py); a violation raises IRError naming the pass"),
 }
 
 

@@ -6,6 +6,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
+from ..config import config
 from ..device.spec import DeviceSpec
 from .native import bindings
 from .passes.cost import estimate_cost
@@ -14,6 +15,7 @@ from .native.c_exprs import NativeReason
 from .passes.decompose import decompose, flat_module, host_factories, rounds_otherwise
 from .passes.emit import emit
 from .ir.interpreter import interpret
+from .ir.verify import verify
 from .passes.lower import lower
 from .passes.memory_plan import check_launch_limits
 from .native.later import Later
@@ -148,9 +150,11 @@ class CompiledRegion:
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec, name: str) -> tuple[Region, list[str]]:
     region = Region(pass_name="input", gm=gm, name=name, spec=spec, example_inputs=tuple(example_inputs))
-    texts = []
+    texts, verifying = [], config.verify_ir == "on"
     for _, pass_fn in PASSES:
         region = pass_fn(region)
+        if verifying:
+            verify(region)
         texts.append(str(region))
     return region, texts
 
