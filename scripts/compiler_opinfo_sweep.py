@@ -1,4 +1,4 @@
-"""Every op of PyTorch's OpInfo database through the compiler (tests/compiler_conformance.py):
+"""Every op of PyTorch's OpInfo database through the compiler (tilewise/testing/compiler_conformance.py):
 counts per outcome, and every failing sample with its first error line.
 
     python scripts/compiler_opinfo_sweep.py                # first 2 float32 samples of every op
@@ -19,7 +19,7 @@ os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # this checkout's tilewise and tests, whatever tilewise is installed
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+sys.path.insert(0, _ROOT)
 
 
 def main(argv=None) -> int:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     from torch.testing._internal.common_methods_invocations import op_db
 
-    import compiler_conformance as cc
+    from tilewise.testing import compiler_conformance as cc
     wanted = set(args.ops.split(",")) if args.ops else None
     counts, failures, started = collections.Counter(), [], time.perf_counter()
     native_runs = 0

@@ -1,5 +1,5 @@
 """Long differential fuzz run: random programs on CPU and on `neuron` in eager, adaptive and compiled
-mode (tests/fuzzing.py), counting programs tried, mismatches and errors.
+mode (tilewise/testing/fuzzing.py), counting programs tried, mismatches and errors.
 
     python scripts/fuzz.py                          # 10,000 programs, one process, every area
     python scripts/fuzz.py --programs 2000 --workers 2 --seed 7 --failures fuzz_failures.txt
@@ -7,7 +7,7 @@ mode (tests/fuzzing.py), counting programs tried, mismatches and errors.
     python scripts/fuzz.py --features none          # the first fuzzer's programs only
     python scripts/fuzz.py --native                 # every compiled region runs its C (built at once)
 
-Areas (tests/fuzzing.py Features): data (`.data =` on pending values), set_copy, swap
+Areas (tilewise/testing/fuzzing.py Features): data (`.data =` on pending values), set_copy, swap
 (torch.utils.swap_tensors), aliases (views of one base written through each other), half (float16
 and bfloat16 programs), interrupts (KeyboardInterrupt inside a flush, then every value read),
 poison (lazily made buffers start as NaN/sentinel).
@@ -37,7 +37,7 @@ import warnings
 os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 
 
 def failure_class(message: str) -> str:
@@ -61,10 +61,10 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hypothesis_seed
 
-    import fuzzing
+    from tilewise.testing import fuzzing
     import tilewise
     if native:
-        import native_everywhere
+        from tilewise.testing import native_everywhere
         native_everywhere.force_native(setattr)
 
     warnings.filterwarnings("ignore")
@@ -119,7 +119,7 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
 
 def _failure(program, features) -> str | None:
     """The class of the program's failure on fresh caches, or None when it passes."""
-    import fuzzing
+    from tilewise.testing import fuzzing
     import tilewise
     tilewise.reset_caches()
     try:
@@ -130,7 +130,7 @@ def _failure(program, features) -> str | None:
 
 
 def _message(program, features) -> str:
-    import fuzzing
+    from tilewise.testing import fuzzing
     import tilewise
     tilewise.reset_caches()
     try:
@@ -162,7 +162,7 @@ def main() -> int:
     if args.programs < 1 or args.workers < 1 or args.max_ops < 1 or args.progress < 1:
         parser.error("--programs, --workers, --max-ops and --progress must be >= 1")
 
-    import fuzzing
+    from tilewise.testing import fuzzing
     try:
         features = fuzzing.Features.parse(args.features)
         left_out = fuzzing.Features.parse(args.without)

@@ -1,6 +1,6 @@
 """Full OpInfo conformance sweep of the neuron device against CPU, per engine mode and sample kind.
 
-Runs every sample of every op in PyTorch's OpInfo database (tests/conformance.py) on two axes:
+Runs every sample of every op in PyTorch's OpInfo database (tilewise/testing/conformance.py) on two axes:
 the engine mode (eager; adaptive with threshold 1 and compiled, where the sample's ops are recorded
 and compiled as a region; an op's samples share the engine's caches) and the sample kind (float32,
 bfloat16 and float16 forward, float32 gradients, int64 forward; each where the op's CPU kernels
@@ -32,7 +32,7 @@ os.environ.setdefault("TILEWISE_CACHE_DIR", "off")
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # this checkout's tilewise and tests, whatever tilewise is installed
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+sys.path.insert(0, _ROOT)
 
 TARGET = 0.995  # float32 pass rate to reach in every engine mode
 
@@ -41,7 +41,7 @@ def sweep_op(task):
     """All samples of one op in the requested kinds and modes: (key, rows), a row being (key,
     engine, kind, status, message, ops compiled, compile failure)."""
     key, engines, kinds, limit = task
-    import conformance as c
+    from tilewise.testing import conformance as c
     warnings.filterwarnings("ignore")
     op = c.OPS[key]
     rows = []
@@ -77,7 +77,7 @@ def _group(message: str) -> str:
 
 
 def report(rows, elapsed: float, engines, kinds) -> int:
-    import conformance as c
+    from tilewise.testing import conformance as c
     counts = collections.defaultdict(collections.Counter)
     compiled = collections.Counter()
     excluded = collections.defaultdict(collections.Counter)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                         help="seconds one op may take (all its kinds and modes) before it is killed, reported hung")
     args = parser.parse_args(argv)
 
-    import conformance as c
+    from tilewise.testing import conformance as c
     engines = _choices(parser, "engines", args.engines, c.ENGINE_MODES)
     kinds = _choices(parser, "kinds", args.kinds, c.KINDS)
     keys = args.ops.split(",") if args.ops else list(c.OPS)
@@ -240,7 +240,7 @@ class _Worker:
 
     def _lost(self, message: str) -> list:
         """One failure row per engine mode and applicable kind of an op that gave no result."""
-        import conformance as c
+        from tilewise.testing import conformance as c
         self.reader.close()
         key, engines, kinds, _ = self.task
         op = c.OPS[key]

@@ -49,7 +49,7 @@ def test_example_runs_and_prints_its_losses_and_stats(outputs, script, steps, mo
 
 
 # Examples that need a launcher of their own (torchrun), run by their subsystem's tests.
-TESTED_ELSEWHERE = {"ddp.py": "tests/test_distributed.py", "fsdp.py": "tests/test_distributed.py"}
+TESTED_ELSEWHERE = {"ddp.py": "tests/distributed/test_distributed.py", "fsdp.py": "tests/distributed/test_distributed.py"}
 
 
 def test_every_example_is_tested():

@@ -1,4 +1,4 @@
-"""Differential fuzzing in CI: a fixed budget of random programs (tests/fuzzing.py), derandomized so
+"""Differential fuzzing in CI: a fixed budget of random programs (tilewise/testing/fuzzing.py), derandomized so
 every run tries the same programs. Each runs 4 times per mode with threshold 2 (warm-up, compile,
 cache hits) and must match plain CPU PyTorch in values, dtypes, shapes and gradients.
 The new areas (fuzzing.Features) get a few fixed programs each, and the fuzzer's own machinery
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
-import fuzzing
+from tilewise.testing import fuzzing
 import tilewise
 
 CI_PROGRAMS = 70

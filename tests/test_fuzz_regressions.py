@@ -5,8 +5,8 @@ import torch
 
 import tilewise
 
-import fuzzing
-from fuzzing import Program
+from tilewise.testing import fuzzing
+from tilewise.testing.fuzzing import Program
 
 # programs hit PyTorch's own warnings (var of one element, .item() of a grad tensor), as on the CPU
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -153,7 +153,7 @@ def test_bfloat16_gradient_with_cancellation_is_as_accurate_as_cpu():
     """Not an engine bug: one element of this bfloat16 gradient differed from the CPU's by 0.75
     (5%), because fused kernels skip bfloat16 roundings between ops and the backward cancels.
     Against float64 the device is as close as the CPU (errors 1.7 vs 1.5-2.2 on both); the
-    checker now judges bfloat16 that way (tests/fuzzing.py compare)."""
+    checker now judges bfloat16 that way (tilewise/testing/fuzzing.py compare)."""
     fuzzing.check(Program(
         inputs=[
             ((127,), 'bfloat16', True),
@@ -176,7 +176,7 @@ def test_float32_results_judged_against_float64_like_bfloat16_ones():
     """Not engine bugs: a float32 matmul summed in another order, then scaled by ~2000 (cancellation
     left |v1| small), and a bfloat16 softmax whose exp differed in the last float32 bit, so one
     bfloat16 rounding flipped and was carried into a float32 result. Both are as close to float64 as
-    the CPU's results; the checker now judges float32 that way too (tests/fuzzing.py compare)."""
+    the CPU's results; the checker now judges float32 that way too (tilewise/testing/fuzzing.py compare)."""
     fuzzing.check(Program(
         inputs=[((129, 16, 16), 'float32', False), ((), 'float32', False), ((16,), 'float32', False),
                 ((16, 16), 'float32', False), ((16,), 'float32', False)],
@@ -193,7 +193,7 @@ def test_float32_results_judged_against_float64_like_bfloat16_ones():
     ))
 
 
-# -- the new areas (tests/fuzzing.py Features), December 2026 --------------------------------------
+# -- the new areas (tilewise/testing/fuzzing.py Features), December 2026 --------------------------------------
 # Strict xfails are bugs the fuzzer found that are still open: once a fix lands, its test passes,
 # strict xfail turns that into a failure, and the mark goes.
 DATA = fuzzing.Features.parse("data,poison")

@@ -14,7 +14,7 @@ import torch
 
 import tilewise
 
-LAZY = ("tilewise.compiler", "torch._dynamo", "networkx", "sympy")
+LAZY = ("tilewise.compiler", "tilewise.testing", "torch._dynamo", "networkx", "sympy")
 
 
 def test_import_tilewise_loads_no_compiler_no_dynamo_no_networkx_no_sympy():
@@ -37,7 +37,7 @@ def test_the_torch_compile_backend_is_found_through_the_entry_point_alone():
 # native libraries and the compiled regions are both kept in) sits below the native backend.
 LAYERS = (
     ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads",
-     "tilewise.collector", "tilewise.settings_doc", "tilewise.op_facts"),
+     "tilewise.collector", "tilewise.settings_doc", "tilewise.op_facts", "tilewise.patches"),
     ("tilewise.device", "tilewise.distributed.cost"),
     ("tilewise.eager",),
     ("tilewise.compiler.ir",),
@@ -51,6 +51,7 @@ LAYERS = (
     ("tilewise.compiler",),  # entry.py, backend.py and the package itself
     ("tilewise.adaptive",),
     ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
+    ("tilewise.testing",),  # the suite's and the scripts' harnesses, above all they test
 )
 
 # Layers that share nothing but what lies below both: the compiler reads what it needs to know of an

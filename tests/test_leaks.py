@@ -1,16 +1,13 @@
 """No leaks: device memory and resident memory stay flat over a training run in adaptive mode, and
 the engine's caches of compiled regions and plans are bounded (config region_cache_size, least
 recently used evicted). scripts/soak.py runs the same loop for 1,000 steps and prints the figures."""
-import os
-import sys
 
 import torch
 
 import tilewise
 from tilewise.adaptive import RUNTIME
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import soak  # noqa: E402
+from tilewise.testing import soak
 
 # Resident memory may grow by what the run is allowed to keep: the timeline's event ring (about
 # 200 bytes per kernel, 17 kernels a step here: ~0.5 MiB over 150 steps) plus allocator noise.

@@ -285,7 +285,7 @@ def gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
 def _plain(input, hx, params, states: int = 1, dim: int = 3, hidden_dim: int | None = None) -> bool:
     """Device tensors all, of the ranks ATen expects (anything else takes the composite, which
     raises PyTorch's own error), outside autocast: the device's autocast policy is CUDA's, whose
-    casts apply to the fused cells ATen's composite calls (tests/test_autocast.py), so autocast
+    casts apply to the fused cells ATen's composite calls (tests/device/test_autocast.py), so autocast
     keeps the composite, as does a fake tensor while tracing."""
     hidden = tuple(hx) if isinstance(hx, (list, tuple)) else (hx,)
     return len(hidden) == states and all(type(t) is NeuronTensor for t in (input, *hidden, *params)) and \

@@ -269,7 +269,7 @@ def _resolved_as_on_cpu(adjust):
 
 
 # The optimizers whose multi-tensor implementation rounds otherwise than the per-parameter loop
-# CPU runs, in float32 (tests/test_kernel_choice.py compares every torch.optim optimizer with CPU's)
+# CPU runs, in float32 (tests/eager/test_kernel_choice.py compares every torch.optim optimizer with CPU's)
 FOREACH_ROUNDS_OTHERWISE = (nadam, radam, asgd)
 # ... and every optimizer, in float16 and bfloat16: on CPU the foreach kernels of SGD with momentum,
 # Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam and ASGD round otherwise than the loop there

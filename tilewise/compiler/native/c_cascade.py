@@ -31,7 +31,7 @@ CASCADE_DTYPES = {torch.float32: "float", torch.float64: "double"}
 def vector_bytes() -> int | None:
     """Bytes of one vector of this PyTorch's float sums on this CPU: the first width of its
     capability whose order below gives those sums bitwise, checked once on rows of every shape the
-    cascade distinguishes (the C follows the same steps, and tests/test_native.py holds it to it);
+    cascade distinguishes (the C follows the same steps, and tests/compiler/test_native.py holds it to it);
     None where no width does, or the capability is not known here."""
     widths = _VECTOR_BYTES.get(torch.backends.cpu.get_cpu_capability(), ()) \
         if platform.machine() in ("x86_64", "AMD64") else ()
