@@ -14,7 +14,7 @@ import torch
 
 import tilewise
 
-LAZY = ("tilewise.compiler", "torch._dynamo", "networkx", "sympy")
+LAZY = ("tilewise.compiler", "tilewise.kernels", "torch._dynamo", "networkx", "sympy")
 
 
 def test_import_tilewise_loads_no_compiler_no_dynamo_no_networkx_no_sympy():
@@ -49,6 +49,7 @@ LAYERS = (
     ("tilewise.compiler.cache",),
     ("tilewise.compiler.process",),
     ("tilewise.compiler",),  # entry.py, backend.py and the package itself
+    ("tilewise.kernels",),   # hand-written tile kernels: the tile IR, its interpreter, the device
     ("tilewise.adaptive",),
     ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
 )

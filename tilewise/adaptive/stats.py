@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..device import tile_kernels
 from ..device.runtime import DEVICE
 from ..distributed.cost import COUNTERS as COLLECTIVES
 from ..distributed.cost import CollectiveTotals
@@ -71,6 +72,7 @@ class Stats:
         self.regions: dict[str, RegionStats] = {}
         self._device_start = DEVICE.busy()  # summed over the NeuronCores
         self._collectives_start = COLLECTIVES.snapshot()
+        self._tile_kernels_start = tile_kernels.snapshot()
 
     def on_compiled(self, event) -> None:
         """A RegionCompiled event from the engine's stream."""
@@ -118,6 +120,12 @@ class Stats:
         return totals
 
     @property
+    def tile_kernels(self) -> dict[str, int]:
+        """Hand-written tile kernels (tilewise.kernels) run since the reset: name -> runs."""
+        start = self._tile_kernels_start
+        return {name: n - start.get(name, 0) for name, n in tile_kernels.snapshot().items() if n > start.get(name, 0)}
+
+    @property
     def collective_seconds(self) -> float:
         return sum(t.seconds for t in self.collectives.values())
 
@@ -157,6 +165,7 @@ class Stats:
             "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
             "collectives": {kind: vars(t).copy() for kind, t in self.collectives.items()},
+            "tile_kernels": self.tile_kernels,
             "regions": {name: vars(r).copy() for name, r in self.regions.items()},
             "caches": {name: size._asdict() for name, size in self.cache_sizes().items()},
         }
@@ -184,6 +193,8 @@ class Stats:
         if collectives:
             lines.append("  collectives (calls, MiB, simulated ms): " + ", ".join(
                 f"{kind} {t.calls} {t.bytes / 2**20:.2f} {t.seconds * 1e3:.3f}" for kind, t in collectives.items()))
+        if self.tile_kernels:
+            lines.append("  tile kernels run: " + ", ".join(f"{name} x{n}" for name, n in self.tile_kernels.items()))
         caches = self.cache_sizes()
         if caches:
             lines.append("  engine caches (entries/limit, evicted): " + ", ".join(
