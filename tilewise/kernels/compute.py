@@ -78,6 +78,8 @@ def matmul(x, y, transpose_x: bool = False) -> Matmul:
         x = copy(transpose(x), dtype=x.dtype)
     trace = current()
     trace.check(rules.matmul(trace.spec, x.shape, y.shape, (x.dtype, y.dtype)))
+    if psum in (x.buffer, y.buffer):
+        trace.check("matmul operands in SBUF: the TensorEngine reads SBUF; copy a PSUM tile out first (tk.copy)")
     return Matmul(x, y)
 
 
