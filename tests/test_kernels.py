@@ -246,3 +246,18 @@ def test_ir_is_shared_with_the_compiler():
     traced = matmul_kernel.trace((torch.randn(128, 128), torch.randn(128, 512)))
     kinds = {op.op for op in traced.kernel.body}
     assert {Ops.ALLOC, Ops.LOAD, Ops.FILL, Ops.MATMUL, Ops.ALU, Ops.STORE} <= kinds
+
+
+def test_a_matmul_read_twice_is_computed_once():
+    @tk.kernel
+    def scores_twice(a: torch.Tensor) -> torch.Tensor:
+        out = tk.ndarray((a.shape[1], 1), torch.float32, buffer=tk.hbm)
+        x = tk.load(a[:, :])
+        s = tk.matmul(x, x, transpose_x=True)
+        tk.store(out[:, :], tk.add(tk.max(s, axis=1), tk.sum(s, axis=1)))
+        return out
+    a = torch.randn(64, 32)
+    traced = scores_twice.trace((a,))
+    assert sum(op.op is Ops.MATMUL for op in traced.kernel.body) == 1
+    s = a.T @ a
+    torch.testing.assert_close(scores_twice(a), s.amax(1, keepdim=True) + s.sum(1, keepdim=True))

@@ -319,13 +319,14 @@ def alloc(shape, dtype: torch.dtype, buffer: str, stem: str = "t") -> Tile:
 
 
 class Matmul:
-    """tk.matmul's result before it lands: `acc += matmul(...)` accumulates it into PSUM, any other
-    use writes it into a fresh fp32 PSUM tile."""
+    """tk.matmul's result before it lands: `acc += matmul(...)` accumulates it into PSUM; the first
+    other use writes it into a fresh fp32 PSUM tile, which later uses read."""
 
     def __init__(self, stationary: Tile, moving: Tile):
         self.stationary, self.moving = stationary, moving
         self.shape = (stationary.shape[1], moving.shape[1])
         self.dtype = FP32
+        self.landed: Tile | None = None
 
     def into(self, dst: Tile, accumulate: bool) -> Tile:
         trace = current()
@@ -339,7 +340,10 @@ class Matmul:
         return dst
 
     def land(self) -> Tile:
-        return self.into(alloc(self.shape, FP32, psum, "mm"), accumulate=False)
+        """The product in a fresh PSUM tile, computed at its first use and read by the later ones."""
+        if self.landed is None:
+            self.landed = self.into(alloc(self.shape, FP32, psum, "mm"), accumulate=False)
+        return self.landed
 
 
 def operand(value):
