@@ -1,7 +1,8 @@
 """FlashAttention forward and backward as tile kernels, and the autograd op over them.
 
-Forward (per batch, head and q tile of 128 rows): K/V are streamed in tiles of 512 keys (one fp32
-PSUM bank of scores) with an online softmax: a running max m and sum l in fp32 SBUF, the output
+Forward (per batch, head and q tile of 128 rows): K/V are streamed past the q tile in tiles of 512
+keys (one fp32 PSUM bank of scores), from SBUF where the K/V head fits KV_BUDGET (loaded once per
+head: O(S * d) HBM traffic), else from HBM per q tile; with an online softmax: a running max m and sum l in fp32 SBUF, the output
 accumulated in fp32 and rescaled by exp(m_old - m_new) as each K/V tile arrives. P is transposed on
 the TensorEngine 128 keys at a time for the P @ V matmul. Causal attention skips the K/V tiles wholly
 above the diagonal and masks the tiles it crosses with affine_select. The log-sum-exp m + log(l) is
@@ -25,6 +26,7 @@ TQ = tk.tile_size.pmax              # q rows per tile
 TK = tk.tile_size.gemm_moving_fmax  # keys per forward K/V tile: one fp32 PSUM bank of scores
 TT = tk.tile_size.pmax              # keys per TensorEngine transpose, and per backward K/V tile
 NEG = -30000.0                      # the masked score: exp(NEG * scale - max) is 0 in fp32
+KV_BUDGET = 96 * 1024               # SBUF bytes per partition a K/V head may keep (half of trn2's)
 
 
 def _t_load(hbm, b: int, h: int, start: int, n: int, d: int):
@@ -46,43 +48,64 @@ def _causal(scores, q0: int, k0: int, causal: bool):
     return tk.isa.affine_select((q0 + ip) - (k0 + jf) >= 0, scores, NEG, dtype=F32)
 
 
+def _resident(k, seq_k: int, d: int) -> bool:
+    """Whether a K/V head fits the SBUF budget, to be loaded once for all its q tiles: K transposed
+    takes seq_k elements per partition, V a row of d per 128 keys."""
+    return (seq_k + math.ceil(seq_k / TT) * d) * k.dtype.itemsize <= KV_BUDGET
+
+
 @tk.kernel
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, d = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
     o_hbm = tk.ndarray(q.shape, q.dtype, buffer=tk.hbm)
     lse_hbm = tk.ndarray((batch, heads, seq_q, 1), F32, buffer=tk.hbm)
     for b in tk.affine_range(batch):
-        for h in tk.affine_range(heads):
-            hk = h // (heads // kv_heads)
-            for q0 in range(0, seq_q, TQ):
-                nq = min(TQ, seq_q - q0)
-                q_t = _t_load(q, b, h, q0, nq, d)
-                m = tk.full((nq, 1), -math.inf, F32)
-                l_sum = tk.zeros((nq, 1), F32)
-                o_acc = tk.zeros((nq, d), F32)
-                for k0 in tk.sequential_range(0, seq_k, TK):
-                    if causal and k0 > q0 + nq - 1:
-                        break  # this K/V tile and the rest lie above the diagonal
-                    nk = min(TK, seq_k - k0)
-                    scores = _causal(tk.matmul(q_t, _t_load(k, b, hk, k0, nk, d), transpose_x=True), q0, k0, causal)
-                    m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), scale))
-                    neg_m = tk.multiply(m_new, -1.0)
-                    p = tk.isa.activation(tk.exp, scores, bias=neg_m, scale=scale, dtype=q.dtype)
-                    alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
-                    l_sum = tk.add(tk.multiply(l_sum, alpha), tk.sum(p, axis=1, dtype=F32))
-                    pv = tk.zeros((nq, d), F32, buffer=tk.psum)
-                    for c in range(0, nk, TT):
-                        nc = min(TT, nk - c)
-                        p_t = tk.copy(tk.transpose(p[:, c:c + nc]), dtype=q.dtype)
-                        pv += tk.matmul(p_t, _load(v, b, hk, k0 + c, nc, d), transpose_x=True)
-                    o_acc = tk.add(tk.isa.tensor_tensor(o_acc, alpha, tk.multiply), pv)
-                    m = m_new
-                o = tk.isa.tensor_tensor(o_acc, tk.reciprocal(l_sum), tk.multiply, dtype=q.dtype)
-                tk.store(o_hbm[b, h, q0:q0 + nq, 0:d], o)
-                tk.store(lse_hbm[b, h, q0:q0 + nq, 0:1], tk.add(m, tk.log(l_sum)))
+        for hk in tk.affine_range(kv_heads):
+            kv = list(_kv_stream(k, v, b, hk, seq_k, d)) if _resident(k, seq_k, d) else None
+            for h in range(hk * group, (hk + 1) * group):
+                for q0 in range(0, seq_q, TQ):
+                    nq = min(TQ, seq_q - q0)
+                    o, lse = _fwd_q_tile(q, k, v, kv, b, h, hk, q0, nq, scale, causal)
+                    tk.store(o_hbm[b, h, q0:q0 + nq, 0:d], o)
+                    tk.store(lse_hbm[b, h, q0:q0 + nq, 0:1], lse)
     return o_hbm, lse_hbm
+
+
+def _fwd_q_tile(q, k, v, kv, b: int, h: int, hk: int, q0: int, nq: int, scale: float, causal: bool):
+    """One q tile's output and log-sum-exp, K/V streamed past it (from SBUF when `kv` holds them)."""
+    d, seq_k = q.shape[3], k.shape[2]
+    q_t = _t_load(q, b, h, q0, nq, d)
+    m = tk.full((nq, 1), -math.inf, F32)
+    l_sum = tk.zeros((nq, 1), F32)
+    o_acc = tk.zeros((nq, d), F32)
+    for k0, nk, k_t, v_rows in kv or _kv_stream(k, v, b, hk, seq_k, d):
+        if causal and k0 > q0 + nq - 1:
+            break  # this K/V tile and the rest lie above the diagonal
+        scores = _causal(tk.matmul(q_t, k_t, transpose_x=True), q0, k0, causal)
+        m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), scale))
+        neg_m = tk.multiply(m_new, -1.0)
+        p = tk.isa.activation(tk.exp, scores, bias=neg_m, scale=scale, dtype=q.dtype)
+        alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
+        l_sum = tk.add(tk.multiply(l_sum, alpha), tk.sum(p, axis=1, dtype=F32))
+        pv = tk.zeros((nq, d), F32, buffer=tk.psum)
+        for c, v_c in zip(range(0, nk, TT), v_rows):
+            p_t = tk.copy(tk.transpose(p[:, c:c + v_c.shape[0]]), dtype=q.dtype)
+            pv += tk.matmul(p_t, v_c, transpose_x=True)
+        o_acc = tk.add(tk.isa.tensor_tensor(o_acc, alpha, tk.multiply), pv)
+        m = m_new
+    o = tk.isa.tensor_tensor(o_acc, tk.reciprocal(l_sum), tk.multiply, dtype=q.dtype)
+    return o, tk.add(m, tk.log(l_sum))
+
+
+def _kv_stream(k, v, b: int, hk: int, seq_k: int, d: int):
+    """The K/V tiles of head (b, hk) loaded one at a time, as the q tile reaches them."""
+    for k0 in range(0, seq_k, TK):
+        nk = min(TK, seq_k - k0)
+        v_rows = [_load(v, b, hk, k0 + c, min(TT, nk - c), d) for c in range(0, nk, TT)]
+        yield k0, nk, _t_load(k, b, hk, k0, nk, d), v_rows
 
 
 def _row_dots(do, o, b: int, h: int, seq_q: int, d: int) -> list:
