@@ -129,3 +129,29 @@ def test_eager_charges_the_kernels_own_cost_under_its_name():
         rms_norm(x.to("neuron"), w.to("neuron"), 1e-6)
     kernel = [e for e in timeline.events if e.name == "rmsnorm_fwd"][-1]
     assert kernel.duration == report.seconds and kernel.hbm_bytes == report.dma_bytes
+
+
+def test_flash_attention_moves_o_s_d_bytes_and_keeps_sbuf_within_the_spec():
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.attention import flash_fwd
+    reports = {}
+    for seq in (256, 512, 1024):
+        q = torch.empty(1, 2, seq, 128, dtype=torch.bfloat16, device="meta")
+        reports[seq] = flash_fwd.trace((q, q, q, 0.1, False)).report
+    assert reports[1024].dma_bytes == 2 * reports[512].dma_bytes == 4 * reports[256].dma_bytes
+    assert all(r.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes for r in reports.values())
+    assert reports[1024].flops == 2 * 2 * 2 * 1024 * 1024 * 128  # QK^T and PV, each once
+
+
+def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
+    from tilewise.kernels.library import attention
+    monkeypatch.setattr(attention, "KV_BUDGET", 0)
+    monkeypatch.setattr(attention.flash_fwd, "_traces", {})
+    q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
+    out, report = attention.flash_fwd.run(q, k, v, 0.125, True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setattr(attention.flash_fwd, "_traces", {})
+    resident = attention.flash_fwd.trace((q, k, v, 0.125, True)).report
+    assert report.dma_bytes > resident.dma_bytes  # K/V read once per q tile instead of once
