@@ -51,7 +51,8 @@ LAYERS = (
     ("tilewise.compiler",),  # entry.py, backend.py and the package itself
     ("tilewise.kernels",),   # hand-written tile kernels: the tile IR, its interpreter, the device
     ("tilewise.adaptive",),
-    ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
+    ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads",
+     "tilewise.routes"),
 )
 
 # Layers that share nothing but what lies below both: the compiler reads what it needs to know of an

@@ -20,6 +20,7 @@ import math
 import torch
 
 import tilewise.kernels as tk
+from tilewise.reasons import Reason, Why
 
 F32 = torch.float32
 TQ = tk.tile_size.pmax              # q rows per tile
@@ -190,3 +191,31 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), scale, bool(causal))
     return o
+
+
+def _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
+    """Why flash_attention cannot compute this F.scaled_dot_product_attention call, or None."""
+    if attn_mask is not None:
+        return "an attention mask (the kernel takes is_causal only)"
+    if dropout_p:
+        return f"dropout_p={dropout_p} (the kernel has no dropout)"
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return f"inputs of {q.dim()}, {k.dim()}, {v.dim()} dims (the kernel takes [B, H, S, D])"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the kernel takes float32 or bfloat16, all alike)"
+    if q.shape[-1] > TQ or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"head dims {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]} (the kernel takes one head dim <= {TQ})"
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] \
+            or q.shape[1] != k.shape[1] and not enable_gqa:
+        return f"shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} (batch, heads or key lengths differ)"
+    if 0 in q.shape or 0 in k.shape:
+        return "an empty input"
+    return None
+
+
+def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention by flash_attention, or the Reason it does not apply."""
+    why = _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa)
+    if why is not None:
+        return Reason(Why.KERNEL_DOES_NOT_APPLY, why)
+    return flash_attention(q, k, v, causal=is_causal, scale=scale)
