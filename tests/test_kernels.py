@@ -261,3 +261,28 @@ def test_a_matmul_read_twice_is_computed_once():
     assert sum(op.op is Ops.MATMUL for op in traced.kernel.body) == 1
     s = a.T @ a
     torch.testing.assert_close(scores_twice(a), s.amax(1, keepdim=True) + s.sum(1, keepdim=True))
+
+
+def test_bn_stats_bn_aggr_and_activation_reduce():
+    @tk.kernel
+    def moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, cols = x.shape
+        mean_var = tk.ndarray((rows, 2), torch.float32, buffer=tk.hbm)
+        e_hbm = tk.ndarray(x.shape, torch.float32, buffer=tk.hbm)
+        sums = tk.ndarray((rows, 1), torch.float32, buffer=tk.hbm)
+        x_sbuf = tk.load(x[:, :])
+        stats = tk.ndarray((rows, 9), torch.float32)
+        for k, c in enumerate((0, 512, 1024)):
+            tk.isa.bn_stats(x_sbuf[:, c:min(cols, c + 512)], dst=stats[:, 3 * k:3 * k + 3])
+        tk.store(mean_var[:, :], tk.isa.bn_aggr(stats))
+        e, total = tk.isa.activation_reduce(tk.exp, x_sbuf, tk.add, scale=0.5)
+        tk.store(e_hbm[:, :], e)
+        tk.store(sums[:, :], total)
+        return mean_var, e_hbm, sums
+    x = torch.randn(32, 1100) * 2 + 3
+    mean_var, e, sums = moments(x)
+    torch.testing.assert_close(mean_var, torch.stack([x.mean(1), x.var(1, unbiased=False)], 1))
+    torch.testing.assert_close(e, torch.exp(x * 0.5))
+    torch.testing.assert_close(sums, torch.exp(x * 0.5).sum(1, keepdim=True))
+    traced = moments.trace((x,))
+    assert traced.report.instructions["ScalarEngine"] == 2

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tilewise
-from tilewise.kernels.library import flash_attention, rms_norm, softmax
+from tilewise.kernels.library import flash_attention, layer_norm, rms_norm, softmax
 
 MODES = ("eager", "adaptive", "compiled")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -42,6 +42,14 @@ def test_rms_norm_equals_torch(dtype):
 def test_rms_norm_forward_is_bitwise_torch_in_fp32():
     x, w = torch.randn(300, 64), torch.randn(64)
     assert torch.equal(rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+
+
+@pytest.mark.parametrize("d", [64, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_equals_torch(dtype, d):
+    x, w, b = (torch.randn(2, 70, d) * 3 + 1).to(dtype), torch.randn(d).to(dtype), torch.randn(d).to(dtype)
+    _against_torch(lambda *a: layer_norm(*a, 1e-5), lambda x_, w_, b_: F.layer_norm(x_, (d,), w_, b_, 1e-5),
+                   [x, w, b], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,6 +92,8 @@ def _train_step(fn, inputs, grad_out, device):
 CASES = {
     "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5), lambda: [torch.randn(200, 64), torch.randn(64)],
                  {"rmsnorm_fwd", "rmsnorm_bwd"}),
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b), lambda: [torch.randn(200, 64), torch.randn(64),
+                                                                 torch.randn(64)], {"layernorm_fwd", "layernorm_bwd"}),
     "softmax": (softmax, lambda: [torch.randn(130, 96)], {"softmax_fwd", "softmax_bwd"}),
     "flash_attention": (lambda q, k, v: flash_attention(q, k, v, causal=True),
                         lambda: [torch.randn(1, 2, 160, 32) for _ in range(3)], {"flash_fwd", "flash_bwd"}),

@@ -51,6 +51,33 @@ def tensor_reduce(op, data, axis: int = 1, negate: bool = False, dtype: torch.dt
     return reduce(_name(op), data, axis, dtype, negate)
 
 
+def activation_reduce(op, data, reduce_op, bias=None, scale: float = 1.0, dtype: torch.dtype | None = None
+                      ) -> tuple[Tile, Tile]:
+    """op(data * scale + bias) and its reduction along the free axis ([P, 1], fp32), both on the
+    ScalarEngine (one instruction on hardware, two here, each charged its start-up)."""
+    out = activation(op, data, bias=bias, scale=scale, dtype=dtype)
+    reduced = instruction(Ops.REDUCE, "ScalarEngine", ("reduce", (_name(reduce_op), False)), (out,),
+                          shape=(out.shape[0], 1), dtype=torch.float32)
+    return out, reduced
+
+
+def bn_stats(data, dst: Tile | None = None) -> Tile:
+    """Per partition (count, mean, sum of squared deviations) of a [P, F <= 512] tile, fp32 [P, 3],
+    on the VectorEngine (NKI's bn_stats keeps six numbers; these three merge the same way)."""
+    data = operand(data)
+    if data.shape[1] > 512:
+        current().check(f"bn_stats free size <= 512: got {data.shape[1]} (split it, then bn_aggr)")
+    return instruction(Ops.ALU, "VectorEngine", ("bn_stats", ()), (data,), shape=(data.shape[0], 3),
+                       dtype=torch.float32, dst=dst)
+
+
+def bn_aggr(stats) -> Tile:
+    """bn_stats triples [P, 3k] merged into per-partition (mean, variance), fp32 [P, 2]."""
+    stats = operand(stats)
+    return instruction(Ops.ALU, "VectorEngine", ("bn_aggr", ()), (stats,), shape=(stats.shape[0], 2),
+                       dtype=torch.float32)
+
+
 def iota(expr: Index, dtype: torch.dtype) -> Tile:
     """A [P, F] tile of c + cp * p + cf * f on the GpSimdEngine."""
     tile = alloc((expr.np, expr.nf), dtype, sbuf, "iota")

@@ -364,7 +364,7 @@ def instruction(kind: Ops, engine: str, arg: tuple, srcs: tuple, shape=None, dty
         dst = alloc(shape, dtype or srcs[0].dtype, buffer)
     for tile in (dst, *srcs):
         trace.check(rules.partition_start(tile.window[0], tile.shape[0]))
-    elementwise = kind is Ops.SELECT or kind is Ops.ALU and arg[0] != "transpose"
+    elementwise = kind is Ops.SELECT or kind is Ops.ALU and arg[0] not in ("transpose", "bn_stats", "bn_aggr")
     for src in srcs if elementwise else ():
         if src.shape[0] != dst.shape[0] or src.shape[1] not in (1, dst.shape[1]):
             trace.check(f"operand shapes: a [{src.shape[0]}, {src.shape[1]}] operand does not fit a "

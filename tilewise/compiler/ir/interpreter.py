@@ -218,6 +218,16 @@ def _instruction(kind: Ops, arg: list, reads: list, shape) -> torch.Tensor:
         return ELEMENTWISE[params[0]](reads[0], reads[1]).expand(shape)
     if name == "transpose":
         return reads[0].T
+    if name == "bn_stats":  # per partition (count, mean, sum of squared deviations)
+        x = reads[0]
+        mean = x.mean(1, keepdim=True)
+        return torch.cat([torch.full_like(mean, x.shape[1]), mean, ((x - mean) ** 2).sum(1, keepdim=True)], 1)
+    if name == "bn_aggr":  # bn_stats triples merged (Chan et al.): per partition (mean, variance)
+        count, mean, m2 = reads[0].reshape(reads[0].shape[0], -1, 3).unbind(-1)
+        total = count.sum(1, keepdim=True)
+        merged = (count * mean).sum(1, keepdim=True) / total
+        spread = m2.sum(1, keepdim=True) + (count * (mean - merged) ** 2).sum(1, keepdim=True)
+        return torch.cat([merged, spread / total], 1)
     return reads[0].expand(shape)  # copy
 
 

@@ -88,9 +88,9 @@ def _fwd_q_tile(q, k, v, kv, b: int, h: int, hk: int, q0: int, nq: int, scale: f
         scores = _causal(tk.matmul(q_t, k_t, transpose_x=True), q0, k0, causal)
         m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), scale))
         neg_m = tk.multiply(m_new, -1.0)
-        p = tk.isa.activation(tk.exp, scores, bias=neg_m, scale=scale, dtype=q.dtype)
+        p, row_sum = tk.isa.activation_reduce(tk.exp, scores, tk.add, bias=neg_m, scale=scale, dtype=q.dtype)
         alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
-        l_sum = tk.add(tk.multiply(l_sum, alpha), tk.sum(p, axis=1, dtype=F32))
+        l_sum = tk.add(tk.multiply(l_sum, alpha), row_sum)
         pv = tk.zeros((nq, d), F32, buffer=tk.psum)
         for c, v_c in zip(range(0, nk, TT), v_rows):
             p_t = tk.copy(tk.transpose(p[:, c:c + v_c.shape[0]]), dtype=q.dtype)
