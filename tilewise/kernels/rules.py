@@ -9,6 +9,7 @@ from ..device.spec import DeviceSpec
 from ..errors import TilewiseError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY = os.path.join(_HERE, "library") + os.sep
 
 
 class KernelRuleError(TilewiseError):
@@ -19,15 +20,28 @@ class KernelRuleError(TilewiseError):
         super().__init__(f"kernel {kernel}, {line}: {rule}: {detail}")
 
 
+_names: dict = {}  # code object -> its file's base name, or None for tilewise.kernels' own code
+
+
+def _name_of(code) -> str | None:
+    name = _names.get(code, _names)
+    if name is _names:
+        path = os.path.abspath(code.co_filename)
+        own = path.startswith(_HERE + os.sep) and not path.startswith(_LIBRARY)
+        name = _names[code] = None if own else os.path.basename(path)
+    return name
+
+
 def user_line() -> str:
-    """file:line of the innermost frame outside tilewise.kernels: the kernel's own line."""
+    """file:line of the innermost frame outside tilewise.kernels (its library is user code): the
+    kernel's own line. Run for every instruction a trace emits, so code objects are looked up once."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_HERE) \
-            and "library" not in os.path.relpath(frame.f_code.co_filename, _HERE).split(os.sep)[:1]:
+    while frame is not None:
+        name = _name_of(frame.f_code)
+        if name is not None:
+            return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return "<unknown>"
 
 
 def partition_dim(spec: DeviceSpec, rows: int, what: str) -> str | None:
