@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tilewise
-from tilewise.kernels.library import flash_attention, layer_norm, rms_norm, softmax
+from tilewise.kernels.library import flash_attention, fp8_matmul, int8_linear, layer_norm, quantise_int8, rms_norm, softmax
 
 MODES = ("eager", "adaptive", "compiled")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -165,3 +165,40 @@ def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
     monkeypatch.setattr(attention.flash_fwd, "_traces", {})
     resident = attention.flash_fwd.trace((q, k, v, 0.125, True)).report
     assert report.dma_bytes > resident.dma_bytes  # K/V read once per q tile instead of once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weight_linear_equals_torch_dequantised(dtype):
+    w, x = torch.randn(600, 300), torch.randn(2, 70, 300).to(dtype)
+    w_q, scale = quantise_int8(w)
+    assert w_q.dtype == torch.int8
+    want = x.double() @ (w_q.double() * scale.double()[:, None]).T
+    got = int8_linear(x, w_q, scale)
+    assert got.dtype == dtype and got.shape == (2, 70, 600)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.25)  # sums of 300
+    torch.testing.assert_close(got.double(), want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_matmul_accumulates_in_fp32(dtype):
+    from tilewise.kernels.library.quantized import fp8_matmul as kernel
+    a, b = torch.randn(200, 256).to(dtype), torch.randn(300, 256).to(dtype)
+    got = fp8_matmul(a, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), a.double() @ b.double().T, rtol=1e-2, atol=0.5)
+    bf16 = kernel.trace((a.to(torch.bfloat16), b.to(torch.bfloat16))).report.engines["TensorEngine"]
+    assert kernel.trace((a, b)).report.engines["TensorEngine"] < bf16  # twice the bf16 rate
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_linear_on_neuron_in_every_mode(mode):
+    w_q, scale = quantise_int8(torch.randn(96, 64))
+    x = torch.randn(40, 64)
+    want = int8_linear(x * 2, w_q, scale) + 1
+    with tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 2):
+            got = (int8_linear(x.to("neuron") * 2, w_q.to("neuron"), scale.to("neuron")) + 1).cpu()
+    assert torch.equal(got, want)
+    assert "int8_weight_matmul" in tilewise.stats().tile_kernels
+    if mode != "eager":
+        assert tilewise.stats().compiles >= 1

@@ -14,6 +14,7 @@ from ..compiler.ir.tile_ir import Kernel, Ops, TileOp
 from ..device.cost import compute_seconds, dma_seconds
 from ..device.spec import DeviceSpec
 
+FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 STARTUP_CYCLES = 64  # an engine instruction's fixed start-up (NKI ISA docs, NeuronCore-v2 cost notes)
 
 
@@ -56,6 +57,8 @@ def instruction_cost(op: TileOp, spec: DeviceSpec) -> tuple[str, float, int, int
         (k, m), (_, n) = op.at[1].shape, op.at[2].shape
         flops = 2 * k * m * n
         work, dtype = flops, op.srcs[2].dtype
+        if dtype in FP8:  # twice the bf16 rate on trn2 (double-row matmul), as the DeviceSpec has no fp8 figure
+            work, dtype = flops / 2, torch.bfloat16
     else:
         flops = 0
         work = math.prod((op.at[1] if op.op is Ops.REDUCE else op.at[0]).shape)
