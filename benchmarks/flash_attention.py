@@ -28,7 +28,7 @@ HEADS = 8
 def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
     q = torch.empty(1, HEADS, seq, d, dtype=dtype, device="meta")
     start = time.perf_counter()
-    report = tk.benchmark(flash_fwd)(q, q, q, d ** -0.5, causal)
+    report = tk.benchmark(flash_fwd)(q, q, q, None, d ** -0.5, causal)
     traced = time.perf_counter() - start
     busy = " ".join(f"{e[:6]} {s * 1e6:8.1f}" for e, s in sorted(report.engines.items()))
     sbuf = report.sbuf_bytes_per_partition / 1024

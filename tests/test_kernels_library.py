@@ -147,7 +147,7 @@ def test_flash_attention_moves_o_s_d_bytes_and_keeps_sbuf_within_the_spec():
     reports = {}
     for seq in (256, 512, 1024):
         q = torch.empty(1, 2, seq, 128, dtype=torch.bfloat16, device="meta")
-        reports[seq] = flash_fwd.trace((q, q, q, 0.1, False)).report
+        reports[seq] = flash_fwd.trace((q, q, q, None, 0.1, False)).report
     assert reports[1024].dma_bytes == 2 * reports[512].dma_bytes == 4 * reports[256].dma_bytes
     assert all(r.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes for r in reports.values())
     assert reports[1024].flops == 2 * 2 * 2 * 1024 * 1024 * 128  # QK^T and PV, each once
@@ -158,12 +158,12 @@ def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
     monkeypatch.setattr(attention, "KV_BUDGET", 0)
     monkeypatch.setattr(attention.flash_fwd, "_traces", {})
     q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
-    out, report = attention.flash_fwd.run(q, k, v, 0.125, True)
+    out, report = attention.flash_fwd.run(q, k, v, None, 0.125, True)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     monkeypatch.setattr(attention.flash_fwd, "_traces", {})
-    resident = attention.flash_fwd.trace((q, k, v, 0.125, True)).report
+    resident = attention.flash_fwd.trace((q, k, v, None, 0.125, True)).report
     assert report.dma_bytes > resident.dma_bytes  # K/V read once per q tile instead of once
 
 

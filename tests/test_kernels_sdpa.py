@@ -40,7 +40,7 @@ def test_sdpa_runs_the_flash_kernel_where_it_applies(mode):
 
 
 @pytest.mark.parametrize("case, reason", [
-    (dict(attn_mask=torch.zeros(64, 64)), "an attention mask"),
+    (dict(attn_mask=torch.zeros(64, 64, requires_grad=True)), "an attention mask of torch.float32, 2 dims"),
     (dict(dropout_p=0.5), "dropout_p=0.5"),
     (dict(shape=(1, 2, 64, 160)), "head dims 160"),
     (dict(dtype=torch.float16), "dtypes torch.float16"),
@@ -55,7 +55,7 @@ def test_sdpa_falls_back_to_cpus_kernel_with_the_reason(case, reason):
     with tilewise.config.patch(attention_kernel="flash"):
         got = F.scaled_dot_product_attention(*(t.to("neuron") for t in (q, k, v)),
                                              **{n: a.to("neuron") if torch.is_tensor(a) else a for n, a in case.items()})
-    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got.detach().cpu(), want.detach())
     declined = tilewise.stats().tile_kernels_declined
     assert any(reason in key and key.startswith("scaled_dot_product_attention: ") for key in declined), declined
     assert "flash_fwd" not in tilewise.stats().tile_kernels
@@ -66,3 +66,20 @@ def test_sdpa_keeps_cpus_kernel_by_default():
     got = F.scaled_dot_product_attention(*(t.to("neuron") for t in (q, k, v)), is_causal=True)
     assert torch.equal(got.cpu(), F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert not tilewise.stats().tile_kernels
+
+
+@pytest.mark.parametrize("mask_shape", [(64, 64), (1, 1, 64, 64), (1, 2, 64, 64), (1, 1, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_sdpa_with_a_mask_runs_the_flash_kernel(mask_shape, dtype):
+    q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+    mask = torch.rand(mask_shape) > 0.3 if dtype == torch.bool else torch.randn(mask_shape)
+    if dtype == torch.bool:
+        mask[..., 0] = True  # every query keeps a key
+    grad_out = torch.randn(1, 2, 64, 32)
+    want, want_grads = _attention_step(q, k, v, grad_out, "cpu", attn_mask=mask)
+    with tilewise.config.patch(attention_kernel="flash"):
+        got, grads = _attention_step(q, k, v, grad_out, "neuron", attn_mask=mask.to("neuron"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert {"flash_fwd", "flash_bwd"} <= set(tilewise.stats().tile_kernels)

@@ -156,7 +156,9 @@ class Access:
         spread = {"p": max([i.np for i in key if isinstance(i, Index)], default=1),
                   "f": max([i.nf for i in key if isinstance(i, Index)], default=1)}
         for size, item in zip(tensor.shape, key):
-            if isinstance(item, Index):
+            if isinstance(item, Index) and not (item.cp or item.cf):
+                dims.append(item.c)  # a constant: a fixed index (its extents broadcast the tile)
+            elif isinstance(item, Index):
                 axis = "p" if item.cp else "f"
                 if item.cp and item.cf:
                     trace.check(f"access pattern: an HBM dim is indexed along one tile axis; {tensor.name} "

@@ -13,7 +13,9 @@ each q tile P is recomputed from the saved log-sum-exp, dV += P^T dO, dP = dO V^
 dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K is kept per q tile in SBUF until the head ends.
 
 Matmul operands are in the inputs' dtype (bf16 matmuls for bf16 inputs); statistics and accumulators
-are fp32. GQA: query head h reads K/V head h // (heads / kv_heads).
+are fp32. GQA: query head h reads K/V head h // (heads / kv_heads). An additive mask (broadcastable to
+[B, H, S, S_k], its size-1 dims read at 0) is added to the scaled scores of each tile, forward and
+backward.
 """
 import math
 
@@ -40,6 +42,18 @@ def _load(hbm, b: int, h: int, start: int, n: int, d: int):
     return tk.load(hbm[b, h, start:start + n, 0:d])
 
 
+def _masked(scores, mask, b: int, h: int, q0: int, nq: int, k0: int, nk: int, scale: float):
+    """(scores, the scale the softmax applies to them): with an additive mask, scores * scale + mask
+    (its broadcast dims read at 0) and 1.0; else the scores as they are and `scale`."""
+    if mask is None:
+        return scores, scale
+    ip, jf = tk.mgrid[0:nq, 0:nk]
+    rows = q0 + ip if mask.shape[2] > 1 else 0 * ip
+    cols = k0 + jf if mask.shape[3] > 1 else 0 * jf
+    bias = tk.load(mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, rows, cols])
+    return tk.add(tk.multiply(scores, scale), bias, dtype=F32), 1.0
+
+
 def _causal(scores, q0: int, k0: int, causal: bool):
     """The scores of keys after their query set to NEG, where the tile crosses the diagonal."""
     nq, nk = scores.shape
@@ -56,8 +70,8 @@ def _resident(k, seq_k: int, d: int) -> bool:
 
 
 @tk.kernel
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, d = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -69,15 +83,15 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
             for h in range(hk * group, (hk + 1) * group):
                 for q0 in range(0, seq_q, TQ):
                     nq = min(TQ, seq_q - q0)
-                    o, lse = _fwd_q_tile(q, k, v, kv, b, h, hk, q0, nq, scale, causal)
+                    o, lse = _fwd_q_tile(q, k, v, mask, kv, (b, h, hk), q0, nq, scale, causal)
                     tk.store(o_hbm[b, h, q0:q0 + nq, 0:d], o)
                     tk.store(lse_hbm[b, h, q0:q0 + nq, 0:1], lse)
     return o_hbm, lse_hbm
 
 
-def _fwd_q_tile(q, k, v, kv, b: int, h: int, hk: int, q0: int, nq: int, scale: float, causal: bool):
+def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool):
     """One q tile's output and log-sum-exp, K/V streamed past it (from SBUF when `kv` holds them)."""
-    d, seq_k = q.shape[3], k.shape[2]
+    (b, h, hk), d, seq_k = heads, q.shape[3], k.shape[2]
     q_t = _t_load(q, b, h, q0, nq, d)
     m = tk.full((nq, 1), -math.inf, F32)
     l_sum = tk.zeros((nq, 1), F32)
@@ -85,10 +99,11 @@ def _fwd_q_tile(q, k, v, kv, b: int, h: int, hk: int, q0: int, nq: int, scale: f
     for k0, nk, k_t, v_rows in kv or _kv_stream(k, v, b, hk, seq_k, d):
         if causal and k0 > q0 + nq - 1:
             break  # this K/V tile and the rest lie above the diagonal
-        scores = _causal(tk.matmul(q_t, k_t, transpose_x=True), q0, k0, causal)
-        m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), scale))
+        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk, scale)
+        scores = _causal(scores, q0, k0, causal)
+        m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), s_scale))
         neg_m = tk.multiply(m_new, -1.0)
-        p, row_sum = tk.isa.activation_reduce(tk.exp, scores, tk.add, bias=neg_m, scale=scale, dtype=q.dtype)
+        p, row_sum = tk.isa.activation_reduce(tk.exp, scores, tk.add, bias=neg_m, scale=s_scale, dtype=q.dtype)
         alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
         l_sum = tk.add(tk.multiply(l_sum, alpha), row_sum)
         pv = tk.zeros((nq, d), F32, buffer=tk.psum)
@@ -120,8 +135,9 @@ def _row_dots(do, o, b: int, h: int, seq_q: int, d: int) -> list:
 
 
 @tk.kernel
-def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-              lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, o: torch.Tensor,
+              do: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, d = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -146,8 +162,10 @@ def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
                         q_t, q_rows = _t_load(q, b, h, q0, nq, d), _load(q, b, h, q0, nq, d)
                         do_t, do_rows = _t_load(do, b, h, q0, nq, d), _load(do, b, h, q0, nq, d)
                         neg_lse = tk.multiply(tk.load(lse[b, h, q0:q0 + nq, 0:1]), -1.0)
-                        scores = _causal(tk.matmul(q_t, k_t, transpose_x=True), q0, k0, causal)
-                        p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=scale, dtype=F32)
+                        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk,
+                                                  scale)
+                        scores = _causal(scores, q0, k0, causal)
+                        p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=s_scale, dtype=F32)
                         p_in = tk.copy(p, dtype=q.dtype)
                         dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(p_in, do_rows, transpose_x=True))
                         dp = tk.matmul(do_t, v_t, transpose_x=True)
@@ -171,32 +189,38 @@ flash_bwd_op = tk.custom_op("tilewise_kernels::flash_attention_bwd", flash_bwd)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal = inputs
-    ctx.scale, ctx.causal = scale, causal
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, mask, scale, causal = inputs
+    ctx.scale, ctx.causal, ctx.masked = scale, causal, mask is not None
+    ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_bwd_op(q, k, v, o, do.contiguous(), lse, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None
+    q, k, v, o, lse, *mask = ctx.saved_tensors
+    dq, dk, dv = flash_bwd_op(q, k, v, mask[0] if mask else None, o, do.contiguous(), lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None
 
 
 flash_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale [+ causal mask]) v for q [B, H, S, D], k and v [B, H_kv, S_k, D]."""
+                    scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask [causal]) v for q [B, H, S, D], k and v [B, H_kv, S_k, D] and an
+    additive mask broadcastable to [B, H, S, S_k] (a bool mask: True keeps)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), scale, bool(causal))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=q.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).contiguous()
+    o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, bool(causal))
     return o
 
 
 def _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
     """Why flash_attention cannot compute this F.scaled_dot_product_attention call, or None."""
-    if attn_mask is not None:
-        return "an attention mask (the kernel takes is_causal only)"
+    if attn_mask is not None and (attn_mask.requires_grad or attn_mask.dim() > 4 or not (
+            attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point)):
+        return f"an attention mask of {attn_mask.dtype}, {attn_mask.dim()} dims (the kernel adds a constant mask)"
     if dropout_p:
         return f"dropout_p={dropout_p} (the kernel has no dropout)"
     if not q.dim() == k.dim() == v.dim() == 4:
@@ -218,4 +242,4 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
     why = _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa)
     if why is not None:
         return Reason(Why.KERNEL_DOES_NOT_APPLY, why)
-    return flash_attention(q, k, v, causal=is_causal, scale=scale)
+    return flash_attention(q, k, v, causal=is_causal, scale=scale, mask=attn_mask)
