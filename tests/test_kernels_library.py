@@ -202,3 +202,16 @@ def test_int8_linear_on_neuron_in_every_mode(mode):
     assert "int8_weight_matmul" in tilewise.stats().tile_kernels
     if mode != "eager":
         assert tilewise.stats().compiles >= 1
+
+
+def test_a_region_charges_the_kernels_cost_under_its_name():
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.norms import rmsnorm_fwd
+    x, w = torch.randn(256, 64), torch.randn(64)
+    report = rmsnorm_fwd.trace((x * 2, w, 1e-6)).report
+    with tilewise.engine(mode="compiled"):
+        for _ in range(2):
+            (rms_norm(x.to("neuron") * 2, w.to("neuron"), 1e-6) + 1).cpu()
+    kernel = [e for e in DEVICE.cores[0].timeline.events if e.name == "rmsnorm_fwd"][-1]
+    assert kernel.region is not None and tilewise.stats().compiles >= 1
+    assert kernel.duration == report.seconds and kernel.hbm_bytes == report.dma_bytes
