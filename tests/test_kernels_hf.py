@@ -40,3 +40,33 @@ def test_llama_trains_through_flash_attention(mode):
     assert not stats.tile_kernels_declined
     if mode != "eager":
         assert stats.compiles >= 1
+
+
+def test_gpt2_trains_and_generates_through_flash_attention():
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     attn_implementation="sdpa", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                     bos_token_id=0, eos_token_id=0)
+
+    def run(device):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            ids = torch.randint(0, 128, (2, 32), generator=generator).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        model.eval()
+        return losses, model.generate(torch.tensor([[1, 2, 3]]).to(device), max_new_tokens=8, do_sample=False).cpu()
+
+    want_losses, want_tokens = run("cpu")
+    with tilewise.config.patch(attention_kernel="flash"), tilewise.engine(mode="eager"):
+        losses, tokens = run("neuron")
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-4
+    assert torch.equal(tokens, want_tokens)
+    assert tilewise.stats().tile_kernels["flash_fwd"] > tilewise.stats().tile_kernels["flash_bwd"]  # generate
+    assert not tilewise.stats().tile_kernels_declined
