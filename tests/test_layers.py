@@ -14,7 +14,7 @@ import torch
 
 import tilewise
 
-LAZY = ("tilewise.compiler", "tilewise.testing", "torch._dynamo", "networkx", "sympy")
+LAZY = ("tilewise.compiler", "tilewise.kernels", "tilewise.testing", "torch._dynamo", "networkx", "sympy")
 
 
 def test_import_tilewise_loads_no_compiler_no_dynamo_no_networkx_no_sympy():
@@ -49,8 +49,10 @@ LAYERS = (
     ("tilewise.compiler.cache",),
     ("tilewise.compiler.process",),
     ("tilewise.compiler",),  # entry.py, backend.py and the package itself
+    ("tilewise.kernels",),   # hand-written tile kernels: the tile IR, its interpreter, the device
     ("tilewise.adaptive",),
-    ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads"),
+    ("tilewise", "tilewise.distributed", "tilewise.dynamo", "tilewise.explorer", "tilewise.workloads",
+     "tilewise.routes"),
     ("tilewise.testing",),  # the suite's and the scripts' harnesses, above all they test
 )
 

@@ -1,5 +1,5 @@
 """tilewise: an adaptive-eager execution engine for PyTorch on a simulated NeuronCore."""
-from . import adaptive, dynamo, eager
+from . import adaptive, dynamo, eager, routes
 from . import device, distributed  # noqa: F401  (importing them registers the device and its process-group backend)
 from .adaptive import engine, explain, reset_caches, stats, sync, wait_for_compiles
 from .config import config
@@ -7,6 +7,7 @@ from .device import DEVICE, DeviceSpec
 from .errors import ConfigError, DeviceError, NeuronOutOfMemoryError, TilewiseError
 
 eager.install()
+routes.install()
 dynamo.install()
 adaptive.prepare_background_compiles()
 

@@ -19,6 +19,7 @@ MODES = ("eager", "adaptive", "compiled")
 DEVICES = ("trn2", "trn3")
 HOST_BACKENDS = ("native", "torch")
 ON_OFF = ("on", "off")
+ATTENTION_KERNELS = ("cpu", "flash")
 
 
 def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], Any]:
@@ -154,6 +155,11 @@ SETTINGS: dict[str, Setting] = {
                                   "adaptive mode: on compiles regions in a compile process while the steps go "
                                   "on, their ops running eagerly until the code is ready; off: the step waits "
                                   "for the compile (compiled mode always does)"),
+    "attention_kernel": Setting("cpu", "TILEWISE_ATTENTION_KERNEL", _choice(ATTENTION_KERNELS),
+                                "what F.scaled_dot_product_attention runs on neuron: CPU's kernel (cpu; CPU's "
+                                "values bitwise) or tilewise.kernels' FlashAttention kernel where it applies "
+                                "(flash; equal to CPU within the dtype's tolerance, elsewhere CPU's kernel with "
+                                "the reason in stats().tile_kernels_declined); read at each call"),
     "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
                                "most recent kernels the timeline keeps for trace export"),
     "verify_ir": Setting("off", "TILEWISE_VERIFY_IR", _choice(ON_OFF),

@@ -2,7 +2,9 @@
 
 Each fact is one table, filled by the module that states the fact, for each op once:
 - `NO_KERNEL`, `CHANGES_METADATA` (by overload packet name) and `MATERIALIZED` in eager/plan.py;
-- `COMPOSITE`, an op's computation in aten ops where the host has no kernel, in eager/composite.py.
+- `COMPOSITE`, an op's computation in aten ops where the host has no kernel, in eager/composite.py;
+- `TILE_KERNEL`, the cost of a custom op that runs a hand-written tile kernel, in tilewise.kernels;
+- `ROUTE`, an aten op a hand-written kernel runs instead where it applies, in tilewise/routes.py.
 The compiler reads them here, so it imports nothing of eager. `import tilewise` imports eager before
 anything can compile, so the tables are full by the time the compiler reads them.
 
@@ -50,6 +52,12 @@ NO_KERNEL = Fact("ops that launch no kernel (packet names)")
 CHANGES_METADATA = Fact("in-place ops that change a tensor's shape or strides (packet names)")
 MATERIALIZED = Fact("host results a device buffer cannot stand for -> the op that makes one instead")
 COMPOSITE = Fact("an op's computation in aten ops, where the host has no kernel for it")
+# custom op (OpOverload) -> cost(args, kwargs) -> (kernel name, engine, seconds, HBM bytes, flops): what
+# eager charges for it and what a region charges for its launch, instead of the generic estimate
+TILE_KERNEL = Fact("custom ops that run a hand-written tile kernel -> the kernel's simulated cost")
+# aten op -> route(*args, **kwargs) -> the op's output computed by a hand-written kernel, or the
+# tilewise.reasons.Reason it does not apply; eager asks it where a setting says so
+ROUTE = Fact("aten ops a hand-written tile kernel runs where it applies -> the route to it")
 
 
 def changes_metadata(op: torch._ops.OpOverload) -> bool:

@@ -25,6 +25,7 @@ class Why(enum.Enum):
     HOST_TENSOR = "host tensor argument"
     BETWEEN_CORES = "tensors on two NeuronCores"
     NO_EFFECT = "nothing to do on a device that runs each op as it is issued"  # neither recorded nor run
+    KERNEL_DOES_NOT_APPLY = "the hand-written kernel does not apply"  # an op a tile kernel takes over elsewhere
     # the compiler's refusals
     FUSION_KINDS = "kind"        # two kernel kinds that do not fuse (matmul with matmul)
     CYCLE = "cycle"              # the fusion would make the kernel graph cyclic

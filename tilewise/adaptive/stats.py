@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..device import tile_kernels
 from ..device.runtime import DEVICE
 from ..distributed.cost import COUNTERS as COLLECTIVES
 from ..distributed.cost import CollectiveTotals
@@ -71,6 +72,8 @@ class Stats:
         self.regions: dict[str, RegionStats] = {}
         self._device_start = DEVICE.busy()  # summed over the NeuronCores
         self._collectives_start = COLLECTIVES.snapshot()
+        self._tile_kernels_start = tile_kernels.snapshot()
+        self._declined_start = tile_kernels.declined_snapshot()
 
     def on_compiled(self, event) -> None:
         """A RegionCompiled event from the engine's stream."""
@@ -118,6 +121,20 @@ class Stats:
         return totals
 
     @property
+    def tile_kernels(self) -> dict[str, int]:
+        """Hand-written tile kernels (tilewise.kernels) run since the reset: name -> runs."""
+        start = self._tile_kernels_start
+        return {name: n - start.get(name, 0) for name, n in tile_kernels.snapshot().items() if n > start.get(name, 0)}
+
+    @property
+    def tile_kernels_declined(self) -> dict[str, int]:
+        """Calls of an op a tile kernel takes over (config.attention_kernel) where it did not apply:
+        "op: reason" -> calls since the reset."""
+        start = self._declined_start
+        return {key: n - start.get(key, 0) for key, n in tile_kernels.declined_snapshot().items()
+                if n > start.get(key, 0)}
+
+    @property
     def collective_seconds(self) -> float:
         return sum(t.seconds for t in self.collectives.values())
 
@@ -157,6 +174,7 @@ class Stats:
             "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
             "collectives": {kind: vars(t).copy() for kind, t in self.collectives.items()},
+            "tile_kernels": self.tile_kernels, "tile_kernels_declined": self.tile_kernels_declined,
             "regions": {name: vars(r).copy() for name, r in self.regions.items()},
             "caches": {name: size._asdict() for name, size in self.cache_sizes().items()},
         }
@@ -184,6 +202,11 @@ class Stats:
         if collectives:
             lines.append("  collectives (calls, MiB, simulated ms): " + ", ".join(
                 f"{kind} {t.calls} {t.bytes / 2**20:.2f} {t.seconds * 1e3:.3f}" for kind, t in collectives.items()))
+        if self.tile_kernels:
+            lines.append("  tile kernels run: " + ", ".join(f"{name} x{n}" for name, n in self.tile_kernels.items()))
+        if self.tile_kernels_declined:
+            lines.append("  tile kernels declined: " + ", ".join(
+                f"{key} x{n}" for key, n in self.tile_kernels_declined.items()))
         caches = self.cache_sizes()
         if caches:
             lines.append("  engine caches (entries/limit, evicted): " + ", ".join(

@@ -83,9 +83,12 @@ from torch.nn.attention import SDPBackend
 from torch.optim import adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .. import patches
+from .. import op_facts, patches
+from ..config import config
+from ..device import tile_kernels
 from ..device.tensor import TRACED, NeuronTensor
 from ..errors import DeviceError
+from ..reasons import Reason
 from . import cpu_rnn
 from .executor import run
 
@@ -111,6 +114,12 @@ def _unreachable(*args, **kwargs):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                  scale=None, enable_gqa=False):
+    if config.attention_kernel == "flash":  # tilewise.kernels' FlashAttention, where it applies
+        out = op_facts.ROUTE[aten.scaled_dot_product_attention.default](
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if not isinstance(out, Reason):
+            return out
+        tile_kernels.declined("scaled_dot_product_attention", out)
     if _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
         return aten.scaled_dot_product_attention.default.decompose(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -155,7 +155,7 @@ def _make_plan(func) -> OpPlan:
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
         simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS
-        and not _takes_a_generator(schema),
+        and not _takes_a_generator(schema) and func not in op_facts.TILE_KERNEL,
     )
 
 

@@ -4,6 +4,10 @@ Every tile instruction gets a fresh on-chip buffer of its full tile size, poison
 and computes only on the valid extent of the current edge tile; output HBM buffers start poisoned
 too. A read of memory the program never wrote therefore shows up as NaN in the result. This is the
 reference the fast executable is tested against, so it is written for clarity, not speed.
+
+A hand-written kernel's instructions (those with `at`, see tile_ir) read and write windows of its
+ALLOC buffers in place; engines compute in fp32 and round to the destination's dtype, a matmul
+accumulates in fp32. `run_hand_written` runs such a kernel on named HBM tensors.
 """
 from __future__ import annotations
 
@@ -13,7 +17,18 @@ import torch
 from torch.fx.node import map_arg
 
 from ...errors import CompileError
-from .tile_ir import HbmRef, Kernel, Launch, Ops, TileOp
+from .tile_ir import Affine, HbmRef, Kernel, Launch, Ops, TileOp
+
+# The elementwise functions of hand-written kernels' instructions, by the name the IR records.
+ELEMENTWISE = {
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "reciprocal": torch.reciprocal, "negative": torch.neg, "abs": torch.abs,
+    "square": torch.square, "relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+    "identity": lambda x: x, "add": torch.add, "subtract": torch.sub, "multiply": torch.mul,
+    "divide": torch.div, "maximum": torch.maximum, "minimum": torch.minimum, "power": torch.pow,
+}
+REDUCTIONS = {"add": torch.sum, "maximum": torch.amax, "minimum": torch.amin}
+COMPARE = {">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt, "==": torch.eq, "!=": torch.ne}
 
 
 def poisoned(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -94,6 +109,8 @@ class _TileRun:
 
     def step(self, op: TileOp) -> None:
         kind = op.op
+        if op.at or kind is Ops.ALLOC:
+            return self.step_at(op)
         if kind is Ops.LOAD:
             name, transpose = op.arg
             axes = op.shape[1::-1] if transpose else op.shape
@@ -134,6 +151,110 @@ class _TileRun:
             target = self.fresh(op)
             cols = self.span(op.shape[1])
             target.copy_(torch.arange(cols.start, cols.stop, dtype=op.arg).expand(target.shape))
+
+
+    def window(self, buffer: TileOp, window) -> torch.Tensor:
+        p0, p1, f0, f1 = window
+        return self.buffers[id(buffer)][p0:p1, f0:f1]
+
+    def step_at(self, op: TileOp) -> None:
+        """One instruction of a hand-written kernel: compute from the source windows, round to the
+        destination's dtype and write the destination window."""
+        kind = op.op
+        if kind is Ops.ALLOC:
+            self.buffers[id(op)] = poisoned(tuple(size for _, size in op.shape), op.dtype)
+            return
+        dst = self.window(op.srcs[0], op.at[0])
+        if kind is Ops.LOAD:
+            dst.copy_(hbm_access(self.hbm_in[op.arg[0]], op.arg[1], dst.shape))
+            return
+        if kind is Ops.STORE:
+            hbm, index = self.hbm_out[op.arg[0]], _hbm_index(op.arg[1], dst.shape)
+            hbm[index] = dst.to(hbm.dtype).reshape(hbm[index].shape)
+            return
+        reads = [_compute(self.window(s, w)) for s, w in zip(op.srcs[1:], op.at[1:])]
+        engine, *rest = op.arg
+        if kind is Ops.MATMUL:
+            product = reads[0].T @ reads[1]
+            dst.copy_(dst.float() + product if rest[0] else product)
+            return
+        dst.copy_(_instruction(kind, rest, reads, dst.shape).to(dst.dtype))
+
+
+def _compute(tile: torch.Tensor) -> torch.Tensor:
+    """Engines compute in fp32: a narrower float tile is read as fp32."""
+    return tile.float() if tile.is_floating_point() and tile.dtype != torch.float64 else tile
+
+
+def _affine(affine: Affine, shape) -> torch.Tensor:
+    p = torch.arange(shape[0]).reshape(-1, 1)
+    f = torch.arange(shape[1]).reshape(1, -1)
+    return affine.c + affine.cp * p + affine.cf * f
+
+
+def _instruction(kind: Ops, arg: list, reads: list, shape) -> torch.Tensor:
+    if kind is Ops.FILL:
+        return torch.full(shape, arg[0])
+    if kind is Ops.IOTA:
+        return _affine(arg[0], shape)
+    if kind is Ops.SELECT:
+        affine, cmp, on_false = arg
+        return torch.where(COMPARE[cmp](_affine(affine, shape), 0), reads[0], on_false)
+    name, params = arg
+    if kind is Ops.REDUCE:
+        value = REDUCTIONS[params[0]](reads[0], dim=1, keepdim=True)
+        return -value if params[1] else value
+    if name == "activation":  # func(x * scale + bias), bias a [p, 1] tile or a number
+        func, scale, bias = params
+        x = reads[0] * scale + (reads[1] if len(reads) > 1 else bias)
+        return ELEMENTWISE[func](x).expand(shape)
+    if name == "tensor_scalar":  # (x op0 s0) op1 s1, an operand first where reversed
+        value = reads[0]
+        for func, operand, reverse in params:
+            operand = torch.tensor(operand, dtype=value.dtype) if not isinstance(operand, torch.Tensor) else operand
+            value = ELEMENTWISE[func](operand, value) if reverse else ELEMENTWISE[func](value, operand)
+        return value
+    if name == "tensor_tensor":
+        return ELEMENTWISE[params[0]](reads[0], reads[1]).expand(shape)
+    if name == "transpose":
+        return reads[0].T
+    if name == "bn_stats":  # per partition (count, mean, sum of squared deviations)
+        x = reads[0]
+        mean = x.mean(1, keepdim=True)
+        return torch.cat([torch.full_like(mean, x.shape[1]), mean, ((x - mean) ** 2).sum(1, keepdim=True)], 1)
+    if name == "bn_aggr":  # bn_stats triples merged (Chan et al.): per partition (mean, variance)
+        count, mean, m2 = reads[0].reshape(reads[0].shape[0], -1, 3).unbind(-1)
+        total = count.sum(1, keepdim=True)
+        merged = (count * mean).sum(1, keepdim=True) / total
+        spread = m2.sum(1, keepdim=True) + (count * (mean - merged) ** 2).sum(1, keepdim=True)
+        return torch.cat([merged, spread / total], 1)
+    return reads[0].expand(shape)  # copy
+
+
+def _hbm_index(access: tuple, shape) -> tuple:
+    """The advanced index of an HBM access: an int per fixed dim, an arange along the tile's
+    partition ([n, 1]) or free ([1, n]) axis per dim the tile spans."""
+    index = []
+    for dim in access:
+        if isinstance(dim, int):
+            index.append(dim)
+        else:
+            axis, start, step = dim
+            n = shape[0] if axis == "p" else shape[1]
+            values = torch.arange(start, start + step * n, step)[:n]
+            index.append(values.reshape(-1, 1) if axis == "p" else values.reshape(1, -1))
+    return tuple(index)
+
+
+def hbm_access(hbm: torch.Tensor, access: tuple, shape) -> torch.Tensor:
+    """The [p, f] tile an access reads from an HBM tensor; along an axis the access does not span,
+    the same elements on every partition (or column)."""
+    return hbm[_hbm_index(access, shape)].expand(shape)
+
+
+def run_hand_written(kernel: Kernel, hbm: dict) -> None:
+    """Run a hand-written kernel on `hbm` (name -> tensor, its inputs and outputs alike)."""
+    _TileRun(kernel, hbm, hbm).run()
 
 
 def _fill(template, tiles):

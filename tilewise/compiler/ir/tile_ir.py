@@ -6,6 +6,12 @@ cost model derive the valid extent of an edge tile the same way: `min(step, exte
 A batched matmul's loop nest runs inside a batch loop: its tiles carry a third, trailing axis
 (batch variable, 1) that says which [rows x cols] slab of a (batch, rows, cols) HBM view a load
 reads or a store writes.
+
+A kernel written by hand in `tilewise.kernels` is traced with its loops unrolled, so it has no
+RANGE/END: its tiles are mutable buffers (ALLOC, NKI's `ndarray` in SBUF or PSUM), and every
+instruction names the rectangle of each buffer it writes and reads in `at`, a `Window` per source
+(the destination first). An instruction with `at` reads and writes its buffers in place; one
+without (the compiler's) makes a fresh SSA tile.
 """
 from __future__ import annotations
 
@@ -33,7 +39,10 @@ class Ops(enum.Enum):
     MATMUL = "matmul"        # TensorEngine: srcs = (acc_psum, lhsT_sbuf, rhs_sbuf); acc += lhsT.T @ rhs
     COPY = "copy"            # PSUM -> SBUF evacuation, casting to the tile's dtype
     FILL = "fill"            # memset: every element = arg (e.g. the ones of a column sum's stationary tile)
-    IOTA = "iota"            # each element's global free-axis index (loop start + 0..f-1): arg = dtype
+    IOTA = "iota"            # each element's global free-axis index (loop start + 0..f-1): arg = dtype;
+                             # with `at`: arg = (engine, Affine) the value c + cp * p + cf * f
+    ALLOC = "alloc"          # a hand-written kernel's on-chip buffer (SBUF or PSUM), poisoned until written
+    SELECT = "select"        # affine_select: srcs = (dst, on_true), arg = (engine, Affine, cmp, on_false value)
 
 
 # Axis of a tile: (loop variable or None for a size-1 axis, largest size of the tile on that axis).
@@ -49,6 +58,7 @@ class TileOp:
     shape: tuple[Axis, ...] = ()   # (partition axis, free axis[, batch axis]) for tiles; () for loops/stores
     space: str | None = None       # "sbuf" or "psum" for tiles that occupy on-chip memory
     name: str = ""                 # printed name, carries the memory space (x_sbuf, acc_psum)
+    at: tuple = ()                 # hand-written kernels: a Window of srcs[i] per source (see the module doc)
 
     def replace(self, **changes) -> "TileOp":
         return replace(self, **changes)
@@ -62,6 +72,33 @@ class TileOp:
         if not self.shape or self.dtype is None:
             return 0
         return self.shape[1][1] * _itemsize(self.dtype)
+
+
+class Window(tuple):
+    """Rows [p0, p1) and columns [f0, f1) of an on-chip buffer: (p0, p1, f0, f1)."""
+    __slots__ = ()
+
+    def __new__(cls, p0: int, p1: int, f0: int, f1: int):
+        return tuple.__new__(cls, (p0, p1, f0, f1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self[1] - self[0], self[3] - self[2]
+
+    def __repr__(self) -> str:
+        return f"[{self[0]}:{self[1]}, {self[2]}:{self[3]}]"
+
+
+@dataclass(frozen=True)
+class Affine:
+    """c + cp * p + cf * f over a tile's partition index p and free index f (iota, affine_select)."""
+    c: int = 0
+    cp: int = 0
+    cf: int = 0
+
+    def __str__(self) -> str:
+        terms = [f"{k}*{v}" if k != 1 else v for k, v in ((self.cp, "p"), (self.cf, "f")) if k]
+        return " + ".join([str(t) for t in terms] + ([str(self.c)] if self.c or not terms else []))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -174,7 +211,39 @@ def _arg_text(template, srcs: tuple[TileOp, ...]) -> str:
     return repr(template)
 
 
+def _access_text(dim) -> str:
+    """One dim of a hand-written kernel's HBM access: an int, or start + step * (p or f)."""
+    if isinstance(dim, int):
+        return str(dim)
+    axis, start, step = dim
+    return (f"{start} + " if start else "") + (f"{step}*{axis}" if step != 1 else axis)
+
+
+def _format_at(op: TileOp) -> str:
+    """An instruction of a hand-written kernel: its destination window, engine and sources."""
+    if op.op is Ops.ALLOC:
+        return f"{op.name} = alloc"
+    srcs = [f"{s.name}{w!r}" for s, w in zip(op.srcs, op.at)]
+    dst, reads = srcs[0], srcs[1:]
+    if op.op in (Ops.LOAD, Ops.STORE):
+        hbm, access = op.arg
+        where = f"{hbm}[{', '.join(map(_access_text, access))}]"
+        return f"{dst} = load {where}" if op.op is Ops.LOAD else f"store {where} <- {dst}"
+    engine, *rest = op.arg
+    if op.op is Ops.MATMUL:
+        return f"{dst} {'+=' if rest[0] else '='} {engine}.matmul({reads[0]}.T, {reads[1]})"
+    if op.op in (Ops.ALU, Ops.REDUCE):
+        name, params = rest
+        return f"{dst} = {engine}.{name}{list(params) if params else ''}({', '.join(reads)})"
+    if op.op is Ops.SELECT:
+        affine, cmp, value = rest
+        return f"{dst} = {engine}.affine_select({affine} {cmp} 0, {reads[0]}, {value})"
+    return f"{dst} = {engine}.{op.op.value}({rest[0]})"
+
+
 def format_op(op: TileOp) -> str:
+    if op.at or op.op is Ops.ALLOC:
+        return _format_at(op)
     if op.op is Ops.RANGE:
         var, extent, step = op.arg
         return f"for {var} in range(0, {extent}, {step}):"

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ...device.cost import SCALAR_OPS, compute_seconds, dma_seconds, engine_of, kernel_seconds
 from ...device.spec import DeviceSpec
+from ... import op_facts
 from .ops import val
 from ..ir.region import Region
 from ..ir.tile_ir import Kernel, Launch, Ops
@@ -138,7 +139,11 @@ def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec, stages: dict | No
 
 
 def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCost:
-    """An op we could not lower costs what eager charges for it."""
+    """An op we could not lower costs what eager charges for it; a hand-written tile kernel's op
+    what its kernel costs."""
+    tile_kernel = op_facts.TILE_KERNEL.get(call.target)
+    if tile_kernel is not None:
+        return LaunchCost(*tile_kernel(call.args, call.kwargs))
     outs = [o for o in (call.out if isinstance(call.out, (list, tuple)) else [call.out]) if isinstance(o, torch.Tensor)]
     ins = list(call.inputs)
     hbm = sum(_nbytes(t.shape, t.dtype) for t in ins + outs)

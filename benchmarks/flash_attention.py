@@ -1,0 +1,67 @@
+"""FlashAttention written in tilewise.kernels beside today's path for F.scaled_dot_product_attention
+on `neuron` (CPU's fused kernel run whole, charged as one opaque op by its inputs, outputs and flops).
+
+For each sequence length, head dim, dtype and causality (batch 1, 8 heads): the kernel's simulated
+time, per-engine busy time, HBM bytes its DMAs move and its SBUF high-water mark against the
+DeviceSpec's SBUF per partition; then today's path's charged time and HBM bytes (run eagerly on
+`neuron`, so only at the lengths `--today` names: CPU's kernel computes the values).
+
+    python benchmarks/flash_attention.py [--lengths 512 2048 8192] [--today 512 2048]
+
+The kernel is only traced (tk.benchmark: meta tensors, no values), which takes seconds per config at
+8192 (the trace is unrolled).
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tilewise
+import tilewise.kernels as tk
+from tilewise.device.runtime import DEVICE
+from tilewise.kernels.library.attention import flash_fwd
+
+HEADS = 8
+
+
+def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
+    q = torch.empty(1, HEADS, seq, d, dtype=dtype, device="meta")
+    start = time.perf_counter()
+    report = tk.benchmark(flash_fwd)(q, q, q, None, d ** -0.5, causal)
+    traced = time.perf_counter() - start
+    busy = " ".join(f"{e[:6]} {s * 1e6:8.1f}" for e, s in sorted(report.engines.items()))
+    sbuf = report.sbuf_bytes_per_partition / 1024
+    limit = DEVICE.spec.sbuf_partition_bytes / 1024
+    return (f"{report.seconds * 1e6:10.1f} us  HBM {report.dma_bytes / 2**20:8.2f} MiB  SBUF {sbuf:6.1f}/{limit:.0f} KiB"
+            f"  [{busy}]  (traced in {traced:.1f} s)")
+
+
+def today_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
+    q, k, v = (torch.randn(1, HEADS, seq, d, dtype=dtype).to("neuron") for _ in range(3))
+    tilewise.stats().reset()
+    with tilewise.engine(mode="eager"):
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    stats = tilewise.stats()
+    return f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (one opaque op)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--today", type=int, nargs="*", default=[512, 2048])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    args = parser.parse_args()
+    print(f"FlashAttention fwd, batch 1, {HEADS} heads, device {DEVICE.spec.name}")
+    for seq in args.lengths:
+        for d in args.dims:
+            for dtype in (torch.bfloat16, torch.float32):
+                for causal in (False, True):
+                    name = f"S={seq:5d} d={d:3d} {str(dtype)[6:]:8s} {'causal' if causal else 'full  '}"
+                    print(f"{name} kernel {kernel_row(seq, d, dtype, causal)}", flush=True)
+                    if seq in args.today:
+                        print(f"{name} today  {today_row(seq, d, dtype, causal)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The kernels of tilewise.kernels.library against PyTorch on the CPU (values and gradients), and on
+`neuron` tensors in every mode, where they equal their own CPU run bitwise and show in stats().
+
+The kernels sum in another order than CPU's kernels (tiles of 128 rows, an online softmax), so they
+are held to the dtype's tolerance against PyTorch; a kernel's own runs are deterministic, so every
+mode equals its CPU run exactly."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilewise
+from tilewise.kernels.library import flash_attention, fp8_matmul, int8_linear, layer_norm, quantise_int8, rms_norm, softmax
+
+MODES = ("eager", "adaptive", "compiled")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _grads(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.device))
+    return out.detach(), [t.grad for t in leaves if t.requires_grad]
+
+
+def _against_torch(ours, theirs, inputs, dtype):
+    out = ours(*inputs)
+    grad_out = torch.randn_like(out)
+    got, got_grads = _grads(ours, inputs, grad_out)
+    want, want_grads = _grads(theirs, [t.double() for t in inputs], grad_out.double())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_torch(dtype):
+    x, w = torch.randn(3, 100, 192).to(dtype), torch.randn(192).to(dtype)
+    _against_torch(lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: F.rms_norm(a, (192,), b, 1e-6), [x, w], dtype)
+
+
+def test_rms_norm_forward_is_bitwise_torch_in_fp32():
+    x, w = torch.randn(300, 64), torch.randn(64)
+    assert torch.equal(rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+
+
+@pytest.mark.parametrize("d", [64, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_equals_torch(dtype, d):
+    x, w, b = (torch.randn(2, 70, d) * 3 + 1).to(dtype), torch.randn(d).to(dtype), torch.randn(d).to(dtype)
+    _against_torch(lambda *a: layer_norm(*a, 1e-5), lambda x_, w_, b_: F.layer_norm(x_, (d,), w_, b_, 1e-5),
+                   [x, w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_equals_torch(dtype):
+    x = (torch.randn(2, 130, 77) * 4).to(dtype)
+    _against_torch(softmax, lambda a: torch.softmax(a, -1), [x], dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 200, 200, 2, 32), (2, 4, 130, 600, 2, 64), (1, 1, 64, 64, 1, 128)])
+def test_flash_attention_equals_torch(shape, causal):
+    batch, heads, seq_q, seq_k, kv_heads, d = shape
+    if causal and seq_q != seq_k:
+        pytest.skip("causal attention of equal lengths")
+    q = torch.randn(batch, heads, seq_q, d)
+    k, v = torch.randn(batch, kv_heads, seq_k, d), torch.randn(batch, kv_heads, seq_k, d)
+    _against_torch(lambda *a: flash_attention(*a, causal=causal),
+                   lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal, enable_gqa=True),
+                   [q, k, v], torch.float32)
+
+
+def test_flash_attention_bf16_equals_torch():
+    q, k, v = (torch.randn(1, 2, 256, 64).to(torch.bfloat16) for _ in range(3))
+    out = flash_attention(q, k, v, causal=True)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+# -- on neuron tensors, in every mode -----------------------------------------------------------
+
+def _train_step(fn, inputs, grad_out, device):
+    """The kernel between aten ops (so a region has ops around it), forward and backward."""
+    leaves = [t.detach().to(device).requires_grad_() for t in inputs]
+    out = fn(*[t * 2 for t in leaves]) + 1
+    out.backward(grad_out.to(device))
+    return out.detach().cpu(), [t.grad.cpu() for t in leaves]
+
+
+CASES = {
+    "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5), lambda: [torch.randn(200, 64), torch.randn(64)],
+                 {"rmsnorm_fwd", "rmsnorm_bwd"}),
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b), lambda: [torch.randn(200, 64), torch.randn(64),
+                                                                 torch.randn(64)], {"layernorm_fwd", "layernorm_bwd"}),
+    "softmax": (softmax, lambda: [torch.randn(130, 96)], {"softmax_fwd", "softmax_bwd"}),
+    "flash_attention": (lambda q, k, v: flash_attention(q, k, v, causal=True),
+                        lambda: [torch.randn(1, 2, 160, 32) for _ in range(3)], {"flash_fwd", "flash_bwd"}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_on_neuron_equals_its_cpu_run_in_every_mode(case, mode):
+    fn, make, names = CASES[case]
+    torch.manual_seed(0)
+    inputs = make()
+    grad_out = torch.randn_like(fn(*inputs))
+    want, want_grads = _train_step(fn, inputs, grad_out, "cpu")
+    tilewise.stats().reset()
+    with tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 2):
+            got, got_grads = _train_step(fn, inputs, grad_out, "neuron")
+    assert torch.equal(got, want)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    stats = tilewise.stats()
+    assert names <= set(stats.tile_kernels), stats.tile_kernels
+    assert any(name in stats.report() for name in names)
+    if mode != "eager":
+        assert stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
+
+
+def test_kernel_under_torch_compile():
+    x, w = torch.randn(200, 64), torch.randn(64)
+    compiled = torch.compile(lambda a, b: rms_norm(a * 2, b) + 1, backend="tilewise")
+    got = compiled(x.to("neuron"), w.to("neuron")).cpu()
+    assert torch.equal(got, rms_norm(x * 2, w) + 1)
+    assert "rmsnorm_fwd" in tilewise.stats().tile_kernels
+
+
+def test_eager_charges_the_kernels_own_cost_under_its_name():
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.norms import rmsnorm_fwd
+    x, w = torch.randn(256, 64), torch.randn(64)
+    report = rmsnorm_fwd.trace((x, w, 1e-6)).report
+    timeline = DEVICE.cores[0].timeline
+    with tilewise.engine(mode="eager"):
+        rms_norm(x.to("neuron"), w.to("neuron"), 1e-6)
+    kernel = [e for e in timeline.events if e.name == "rmsnorm_fwd"][-1]
+    assert kernel.duration == report.seconds and kernel.hbm_bytes == report.dma_bytes
+
+
+def test_flash_attention_moves_o_s_d_bytes_and_keeps_sbuf_within_the_spec():
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.attention import flash_fwd
+    reports = {}
+    for seq in (256, 512, 1024):
+        q = torch.empty(1, 2, seq, 128, dtype=torch.bfloat16, device="meta")
+        reports[seq] = flash_fwd.trace((q, q, q, None, 0.1, False)).report
+    assert reports[1024].dma_bytes == 2 * reports[512].dma_bytes == 4 * reports[256].dma_bytes
+    assert all(r.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes for r in reports.values())
+    assert reports[1024].flops == 2 * 2 * 2 * 1024 * 1024 * 128  # QK^T and PV, each once
+
+
+def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
+    from tilewise.kernels.library import attention
+    monkeypatch.setattr(attention, "KV_BUDGET", 0)
+    monkeypatch.setattr(attention.flash_fwd, "_traces", {})
+    q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
+    out, report = attention.flash_fwd.run(q, k, v, None, 0.125, True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    monkeypatch.setattr(attention.flash_fwd, "_traces", {})
+    resident = attention.flash_fwd.trace((q, k, v, None, 0.125, True)).report
+    assert report.dma_bytes > resident.dma_bytes  # K/V read once per q tile instead of once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weight_linear_equals_torch_dequantised(dtype):
+    w, x = torch.randn(600, 300), torch.randn(2, 70, 300).to(dtype)
+    w_q, scale = quantise_int8(w)
+    assert w_q.dtype == torch.int8
+    want = x.double() @ (w_q.double() * scale.double()[:, None]).T
+    got = int8_linear(x, w_q, scale)
+    assert got.dtype == dtype and got.shape == (2, 70, 600)
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.25)  # sums of 300
+    torch.testing.assert_close(got.double(), want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_matmul_accumulates_in_fp32(dtype):
+    from tilewise.kernels.library.quantized import fp8_matmul as kernel
+    a, b = torch.randn(200, 256).to(dtype), torch.randn(300, 256).to(dtype)
+    got = fp8_matmul(a, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), a.double() @ b.double().T, rtol=1e-2, atol=0.5)
+    bf16 = kernel.trace((a.to(torch.bfloat16), b.to(torch.bfloat16))).report.engines["TensorEngine"]
+    assert kernel.trace((a, b)).report.engines["TensorEngine"] < bf16  # twice the bf16 rate
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_linear_on_neuron_in_every_mode(mode):
+    w_q, scale = quantise_int8(torch.randn(96, 64))
+    x = torch.randn(40, 64)
+    want = int8_linear(x * 2, w_q, scale) + 1
+    with tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 2):
+            got = (int8_linear(x.to("neuron") * 2, w_q.to("neuron"), scale.to("neuron")) + 1).cpu()
+    assert torch.equal(got, want)
+    assert "int8_weight_matmul" in tilewise.stats().tile_kernels
+    if mode != "eager":
+        assert tilewise.stats().compiles >= 1
+
+
+def test_a_region_charges_the_kernels_cost_under_its_name():
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.norms import rmsnorm_fwd
+    x, w = torch.randn(256, 64), torch.randn(64)
+    report = rmsnorm_fwd.trace((x * 2, w, 1e-6)).report
+    with tilewise.engine(mode="compiled"):
+        for _ in range(2):
+            (rms_norm(x.to("neuron") * 2, w.to("neuron"), 1e-6) + 1).cpu()
+    kernel = [e for e in DEVICE.cores[0].timeline.events if e.name == "rmsnorm_fwd"][-1]
+    assert kernel.region is not None and tilewise.stats().compiles >= 1
+    assert kernel.duration == report.seconds and kernel.hbm_bytes == report.dma_bytes

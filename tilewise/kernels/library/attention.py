@@ -1,0 +1,245 @@
+"""FlashAttention forward and backward as tile kernels, and the autograd op over them.
+
+Forward (per batch, head and q tile of 128 rows): K/V are streamed past the q tile in tiles of 512
+keys (one fp32 PSUM bank of scores), from SBUF where the K/V head fits KV_BUDGET (loaded once per
+head: O(S * d) HBM traffic), else from HBM per q tile; with an online softmax: a running max m and sum l in fp32 SBUF, the output
+accumulated in fp32 and rescaled by exp(m_old - m_new) as each K/V tile arrives. P is transposed on
+the TensorEngine 128 keys at a time for the P @ V matmul. Causal attention skips the K/V tiles wholly
+above the diagonal and masks the tiles it crosses with affine_select. The log-sum-exp m + log(l) is
+saved for the backward.
+
+Backward (per batch, head and K/V tile of 128 keys): D = rowsum(dO * O) per q tile first; then for
+each q tile P is recomputed from the saved log-sum-exp, dV += P^T dO, dP = dO V^T,
+dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K is kept per q tile in SBUF until the head ends.
+
+Matmul operands are in the inputs' dtype (bf16 matmuls for bf16 inputs); statistics and accumulators
+are fp32. GQA: query head h reads K/V head h // (heads / kv_heads). An additive mask (broadcastable to
+[B, H, S, S_k], its size-1 dims read at 0) is added to the scaled scores of each tile, forward and
+backward.
+"""
+import math
+
+import torch
+
+import tilewise.kernels as tk
+from tilewise.reasons import Reason, Why
+
+F32 = torch.float32
+TQ = tk.tile_size.pmax              # q rows per tile
+TK = tk.tile_size.gemm_moving_fmax  # keys per forward K/V tile: one fp32 PSUM bank of scores
+TT = tk.tile_size.pmax              # keys per TensorEngine transpose, and per backward K/V tile
+NEG = -30000.0                      # the masked score: exp(NEG * scale - max) is 0 in fp32
+KV_BUDGET = 96 * 1024               # SBUF bytes per partition a K/V head may keep (half of trn2's)
+
+
+def _t_load(hbm, b: int, h: int, start: int, n: int, d: int):
+    """Rows [start, start + n) of hbm[b, h] transposed: a [d, n] tile (head dim on the partitions)."""
+    ip, jf = tk.mgrid[0:d, 0:n]
+    return tk.load(hbm[b, h, start + jf, ip])
+
+
+def _load(hbm, b: int, h: int, start: int, n: int, d: int):
+    return tk.load(hbm[b, h, start:start + n, 0:d])
+
+
+def _masked(scores, mask, b: int, h: int, q0: int, nq: int, k0: int, nk: int, scale: float):
+    """(scores, the scale the softmax applies to them): with an additive mask, scores * scale + mask
+    (its broadcast dims read at 0) and 1.0; else the scores as they are and `scale`."""
+    if mask is None:
+        return scores, scale
+    ip, jf = tk.mgrid[0:nq, 0:nk]
+    rows = q0 + ip if mask.shape[2] > 1 else 0 * ip
+    cols = k0 + jf if mask.shape[3] > 1 else 0 * jf
+    bias = tk.load(mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, rows, cols])
+    return tk.add(tk.multiply(scores, scale), bias, dtype=F32), 1.0
+
+
+def _causal(scores, q0: int, k0: int, causal: bool):
+    """The scores of keys after their query set to NEG, where the tile crosses the diagonal."""
+    nq, nk = scores.shape
+    if not causal or k0 + nk - 1 <= q0:
+        return scores
+    ip, jf = tk.mgrid[0:nq, 0:nk]
+    return tk.isa.affine_select((q0 + ip) - (k0 + jf) >= 0, scores, NEG, dtype=F32)
+
+
+def _resident(k, seq_k: int, d: int) -> bool:
+    """Whether a K/V head fits the SBUF budget, to be loaded once for all its q tiles: K transposed
+    takes seq_k elements per partition, V a row of d per 128 keys."""
+    return (seq_k + math.ceil(seq_k / TT) * d) * k.dtype.itemsize <= KV_BUDGET
+
+
+@tk.kernel
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seq_q, d = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    o_hbm = tk.ndarray(q.shape, q.dtype, buffer=tk.hbm)
+    lse_hbm = tk.ndarray((batch, heads, seq_q, 1), F32, buffer=tk.hbm)
+    for b in tk.affine_range(batch):
+        for hk in tk.affine_range(kv_heads):
+            kv = list(_kv_stream(k, v, b, hk, seq_k, d)) if _resident(k, seq_k, d) else None
+            for h in range(hk * group, (hk + 1) * group):
+                for q0 in range(0, seq_q, TQ):
+                    nq = min(TQ, seq_q - q0)
+                    o, lse = _fwd_q_tile(q, k, v, mask, kv, (b, h, hk), q0, nq, scale, causal)
+                    tk.store(o_hbm[b, h, q0:q0 + nq, 0:d], o)
+                    tk.store(lse_hbm[b, h, q0:q0 + nq, 0:1], lse)
+    return o_hbm, lse_hbm
+
+
+def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool):
+    """One q tile's output and log-sum-exp, K/V streamed past it (from SBUF when `kv` holds them)."""
+    (b, h, hk), d, seq_k = heads, q.shape[3], k.shape[2]
+    q_t = _t_load(q, b, h, q0, nq, d)
+    m = tk.full((nq, 1), -math.inf, F32)
+    l_sum = tk.zeros((nq, 1), F32)
+    o_acc = tk.zeros((nq, d), F32)
+    for k0, nk, k_t, v_rows in kv or _kv_stream(k, v, b, hk, seq_k, d):
+        if causal and k0 > q0 + nq - 1:
+            break  # this K/V tile and the rest lie above the diagonal
+        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk, scale)
+        scores = _causal(scores, q0, k0, causal)
+        m_new = tk.maximum(m, tk.multiply(tk.max(scores, axis=1), s_scale))
+        neg_m = tk.multiply(m_new, -1.0)
+        p, row_sum = tk.isa.activation_reduce(tk.exp, scores, tk.add, bias=neg_m, scale=s_scale, dtype=q.dtype)
+        alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
+        l_sum = tk.add(tk.multiply(l_sum, alpha), row_sum)
+        pv = tk.zeros((nq, d), F32, buffer=tk.psum)
+        for c, v_c in zip(range(0, nk, TT), v_rows):
+            p_t = tk.copy(tk.transpose(p[:, c:c + v_c.shape[0]]), dtype=q.dtype)
+            pv += tk.matmul(p_t, v_c, transpose_x=True)
+        o_acc = tk.add(tk.isa.tensor_tensor(o_acc, alpha, tk.multiply), pv)
+        m = m_new
+    o = tk.isa.tensor_tensor(o_acc, tk.reciprocal(l_sum), tk.multiply, dtype=q.dtype)
+    return o, tk.add(m, tk.log(l_sum))
+
+
+def _kv_stream(k, v, b: int, hk: int, seq_k: int, d: int):
+    """The K/V tiles of head (b, hk) loaded one at a time, as the q tile reaches them."""
+    for k0 in range(0, seq_k, TK):
+        nk = min(TK, seq_k - k0)
+        v_rows = [_load(v, b, hk, k0 + c, min(TT, nk - c), d) for c in range(0, nk, TT)]
+        yield k0, nk, _t_load(k, b, hk, k0, nk, d), v_rows
+
+
+def _row_dots(do, o, b: int, h: int, seq_q: int, d: int) -> list:
+    """D = rowsum(dO * O) of each q tile of head (b, h), fp32 [nq, 1] tiles."""
+    dots = []
+    for q0 in range(0, seq_q, TQ):
+        nq = min(TQ, seq_q - q0)
+        product = tk.multiply(_load(do, b, h, q0, nq, d), _load(o, b, h, q0, nq, d), dtype=F32)
+        dots.append(tk.sum(product, axis=1))
+    return dots
+
+
+@tk.kernel
+def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, o: torch.Tensor,
+              do: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, seq_q, d = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dq_hbm = tk.ndarray(q.shape, q.dtype, buffer=tk.hbm)
+    dk_hbm = tk.ndarray(k.shape, k.dtype, buffer=tk.hbm)
+    dv_hbm = tk.ndarray(v.shape, v.dtype, buffer=tk.hbm)
+    for b in tk.affine_range(batch):
+        for hk in tk.affine_range(kv_heads):
+            dk_acc = [tk.zeros((min(TT, seq_k - k0), d), F32) for k0 in range(0, seq_k, TT)]
+            dv_acc = [tk.zeros((min(TT, seq_k - k0), d), F32) for k0 in range(0, seq_k, TT)]
+            for h in range(hk * group, (hk + 1) * group):
+                dots = _row_dots(do, o, b, h, seq_q, d)
+                dq_acc = [tk.zeros((min(TQ, seq_q - q0), d), F32) for q0 in range(0, seq_q, TQ)]
+                for kt, k0 in enumerate(range(0, seq_k, TT)):
+                    nk = min(TT, seq_k - k0)
+                    k_t, v_t = _t_load(k, b, hk, k0, nk, d), _t_load(v, b, hk, k0, nk, d)
+                    k_rows = _load(k, b, hk, k0, nk, d)
+                    for qt, q0 in enumerate(range(0, seq_q, TQ)):
+                        nq = min(TQ, seq_q - q0)
+                        if causal and k0 > q0 + nq - 1:
+                            continue  # every key of this tile comes after every query
+                        q_t, q_rows = _t_load(q, b, h, q0, nq, d), _load(q, b, h, q0, nq, d)
+                        do_t, do_rows = _t_load(do, b, h, q0, nq, d), _load(do, b, h, q0, nq, d)
+                        neg_lse = tk.multiply(tk.load(lse[b, h, q0:q0 + nq, 0:1]), -1.0)
+                        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk,
+                                                  scale)
+                        scores = _causal(scores, q0, k0, causal)
+                        p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=s_scale, dtype=F32)
+                        p_in = tk.copy(p, dtype=q.dtype)
+                        dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(p_in, do_rows, transpose_x=True))
+                        dp = tk.matmul(do_t, v_t, transpose_x=True)
+                        ds = tk.multiply(tk.multiply(p, tk.isa.tensor_tensor(dp, dots[qt], tk.subtract)), scale,
+                                         dtype=q.dtype)
+                        dk_acc[kt] = tk.add(dk_acc[kt], tk.matmul(ds, q_rows, transpose_x=True))
+                        ds_t = tk.copy(tk.transpose(ds), dtype=q.dtype)
+                        dq_acc[qt] = tk.add(dq_acc[qt], tk.matmul(ds_t, k_rows, transpose_x=True))
+                for qt, q0 in enumerate(range(0, seq_q, TQ)):
+                    nq = min(TQ, seq_q - q0)
+                    tk.store(dq_hbm[b, h, q0:q0 + nq, 0:d], tk.copy(dq_acc[qt], dtype=q.dtype))
+            for kt, k0 in enumerate(range(0, seq_k, TT)):
+                nk = min(TT, seq_k - k0)
+                tk.store(dk_hbm[b, hk, k0:k0 + nk, 0:d], tk.copy(dk_acc[kt], dtype=k.dtype))
+                tk.store(dv_hbm[b, hk, k0:k0 + nk, 0:d], tk.copy(dv_acc[kt], dtype=v.dtype))
+    return dq_hbm, dk_hbm, dv_hbm
+
+
+flash_fwd_op = tk.custom_op("tilewise_kernels::flash_attention_fwd", flash_fwd)
+flash_bwd_op = tk.custom_op("tilewise_kernels::flash_attention_bwd", flash_bwd)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, mask, scale, causal = inputs
+    ctx.scale, ctx.causal, ctx.masked = scale, causal, mask is not None
+    ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, *mask = ctx.saved_tensors
+    dq, dk, dv = flash_bwd_op(q, k, v, mask[0] if mask else None, o, do.contiguous(), lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None
+
+
+flash_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask [causal]) v for q [B, H, S, D], k and v [B, H_kv, S_k, D] and an
+    additive mask broadcastable to [B, H, S, S_k] (a bool mask: True keeps)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=q.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).contiguous()
+    o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, bool(causal))
+    return o
+
+
+def _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
+    """Why flash_attention cannot compute this F.scaled_dot_product_attention call, or None."""
+    if attn_mask is not None and (attn_mask.requires_grad or attn_mask.dim() > 4 or not (
+            attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point)):
+        return f"an attention mask of {attn_mask.dtype}, {attn_mask.dim()} dims (the kernel adds a constant mask)"
+    if dropout_p:
+        return f"dropout_p={dropout_p} (the kernel has no dropout)"
+    if not q.dim() == k.dim() == v.dim() == 4:
+        return f"inputs of {q.dim()}, {k.dim()}, {v.dim()} dims (the kernel takes [B, H, S, D])"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the kernel takes float32 or bfloat16, all alike)"
+    if q.shape[-1] > TQ or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"head dims {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]} (the kernel takes one head dim <= {TQ})"
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] \
+            or q.shape[1] != k.shape[1] and not enable_gqa:
+        return f"shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} (batch, heads or key lengths differ)"
+    if 0 in q.shape or 0 in k.shape:
+        return "an empty input"
+    return None
+
+
+def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention by flash_attention, or the Reason it does not apply."""
+    why = _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa)
+    if why is not None:
+        return Reason(Why.KERNEL_DOES_NOT_APPLY, why)
+    return flash_attention(q, k, v, causal=is_causal, scale=scale, mask=attn_mask)
