@@ -247,8 +247,9 @@ def elementwise_program(spec: DeviceSpec, engine: str, in_bytes: int, out_bytes:
 
 def matmul_program(spec: DeviceSpec, m: int, k: int, n: int, dtype: torch.dtype,
                    out_dtype: torch.dtype | None = None) -> tuple:
-    """[m, k] @ [k, n] as the compiler lowers it: per [128 x 512] output tile a PSUM accumulator,
-    per 128 contraction rows a load of each operand tile and a matmul, then PSUM -> SBUF and a store."""
+    """[m, k] @ [k, n] as the compiler lowers it: per [128 x 512] output tile, per 128 contraction
+    rows a load of each operand tile and a matmul accumulating in PSUM (the first one writes), then
+    PSUM -> SBUF and a store."""
     out_dtype = out_dtype or dtype
     mt = max(1, math.ceil(m / spec.matmul_stationary_free))
     nt = max(1, math.ceil(n / PSUM_FREE))
@@ -258,8 +259,7 @@ def matmul_program(spec: DeviceSpec, m: int, k: int, n: int, dtype: torch.dtype,
     inner = (dma_instr(spec, tk * tm * size, tk, writes=("lhsT",)),
              dma_instr(spec, tk * tn * size, tk, writes=("rhs",)),
              matmul_instr(spec, tm, tn, tk, dtype, reads=("acc", "lhsT", "rhs"), writes=("acc",)))
-    tile = (engine_instr(spec, VECTOR, tn, torch.float32, writes=("acc",)),
-            Loop(kt, inner),
+    tile = (Loop(kt, inner),
             engine_instr(spec, VECTOR, tn, out_dtype, reads=("acc",), writes=("out",)),
             dma_instr(spec, tm * tn * out_dtype.itemsize, tm, reads=("out",)))
     return (Loop(mt, (Loop(nt, tile),)),)
