@@ -31,6 +31,7 @@ ENGINES = (TENSOR, VECTOR, SCALAR, GPSIMD)
 NO_ENGINE = ""  # a pure dependency: ready when what it reads is, occupies nothing
 PLAY_WHOLE = 2048  # a loop whose expanded body is at most this many instructions is played whole
 PSUM_FREE = 512    # fp32 accumulators in one 2 KiB PSUM bank: a standard matmul's moving free size
+ROW_BYTES = 512    # a standard element-wise program puts at least this much on each partition it uses
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,19 +222,21 @@ def schedule(program: tuple, spec: DeviceSpec) -> Schedule:
 
 # -- standard tile programs of eager op classes ---------------------------------------------------
 
-def _tiles(spec: DeviceSpec, elements: int, free_max: int) -> tuple[int, float]:
-    """(tiles, elements per partition of each) of `elements` spread over [partitions x free] tiles."""
-    rows = max(1, math.ceil(elements / spec.partitions))
-    tiles = max(1, math.ceil(rows / free_max))
-    return tiles, rows / tiles
+def _tiles(spec: DeviceSpec, elements: int, itemsize: int, free_max: int) -> tuple[int, int, float]:
+    """(tiles, partitions, elements per partition of each tile) of `elements` spread over
+    [partitions x free] tiles: as many partitions as keep at least `ROW_BYTES` in each (a small
+    tensor on few partitions, rather than a few bytes on each of 128), at most `free_max` per tile."""
+    partitions = min(spec.partitions, max(1, elements * itemsize // ROW_BYTES))
+    per_partition = max(1, math.ceil(elements / partitions))
+    tiles = max(1, math.ceil(per_partition / free_max))
+    return tiles, partitions, per_partition / tiles
 
 
 def elementwise_program(spec: DeviceSpec, engine: str, in_bytes: int, out_bytes: int, elements: int,
                         dtype: torch.dtype, free_max: int = 2048) -> tuple:
-    """An op over `elements` as the compiler lowers one: per [128 x free] tile, one load per input,
-    one instruction on its engine (none for a DMA op), one store."""
-    tiles, free = _tiles(spec, elements, free_max)
-    partitions = min(spec.partitions, max(1, elements))
+    """An op over `elements` as the compiler lowers one: per [partitions x free] tile, one load per
+    input, one instruction on its engine (none for a DMA op), one store."""
+    tiles, partitions, free = _tiles(spec, elements, dtype.itemsize, free_max)
     inputs = max(1, round(in_bytes / max(1, elements * dtype.itemsize))) if in_bytes else 0
     body = [dma_instr(spec, in_bytes / inputs / tiles, partitions, writes=(f"in{i}",)) for i in range(inputs)]
     result = tuple(f"in{i}" for i in range(inputs))
