@@ -102,3 +102,18 @@ def test_eager_matmul_and_add_fall_below_peak_for_the_modelled_reasons():
     add = kernel_seconds(TRN2, "VectorEngine", 2 * elements * 4, elements * 4, elements, torch.float32)
     roofline = 3 * elements * 4 / TRN2.hbm_bandwidth
     assert roofline < add < 2 * roofline  # per-transfer DMA costs and efficiency below 100%
+
+
+def test_a_compiled_launch_shows_where_its_time_went():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tilewise.compiler import compile_graph
+
+    a, w = torch.empty(1024, 1024, device="meta"), torch.empty(1024, 1024, device="meta")
+    compiled = compile_graph(make_fx(lambda a, w: a @ w)(a, w), [a, w], spec=TRN2)
+    text = compiled.passes_text[-1]
+    assert "busiest DMA; active: TensorEngine" in text  # the loop nest reloads its operand tiles
+    (launch,) = compiled.cost
+    assert f"{2 * 1024**3 / launch.seconds / 1e12:.2f} TFLOP/s" in text
+    share = 2 * 1024**3 / launch.seconds / TRN2.tensor_flops_fp32
+    assert 0 < share < 1 and f"({share:.0%} of peak)" in text

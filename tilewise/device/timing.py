@@ -70,6 +70,33 @@ class Schedule:
         return max((DMA, *ENGINES), key=self.share)
 
 
+@dataclass(frozen=True)
+class Profile:
+    """Where a launch's time went: its busiest engine, each engine's active share of the makespan
+    (DMA: its queues' mean), and what it achieved against the core's peaks (a roofline point)."""
+    busiest: str
+    shares: tuple            # (engine, active share) for the engines and DMA that did anything
+    flops_per_s: float
+    flops_share: float       # of the TensorEngine peak for the launch's matmul dtype
+    bytes_per_s: float       # HBM bytes the launch moves over its time
+    hbm_share: float         # of the core's HBM bandwidth
+
+    def __str__(self) -> str:
+        shares = ", ".join(f"{engine} {share:.0%}" for engine, share in self.shares)
+        return (f"busiest {self.busiest}; active: {shares}; {self.flops_per_s / 1e12:.2f} TFLOP/s "
+                f"({self.flops_share:.0%} of peak), {self.bytes_per_s / 1e9:.1f} GB/s HBM "
+                f"({self.hbm_share:.0%} of peak)")
+
+
+def profile(played: Schedule, seconds: float, hbm_bytes: int, flops: int, flops_peak: float,
+            spec: DeviceSpec) -> Profile:
+    """The Profile of a launch that took `seconds` (its program's makespan and the launch overhead)."""
+    shares = tuple((engine, played.share(engine)) for engine in (*ENGINES, DMA) if played.busy.get(engine))
+    flops_per_s, bytes_per_s = (flops / seconds, hbm_bytes / seconds) if seconds else (0.0, 0.0)
+    return Profile(played.busiest(), shares, flops_per_s, flops_per_s / flops_peak, bytes_per_s,
+                   bytes_per_s / spec.hbm_bandwidth)
+
+
 # -- per-instruction costs (NKI ISA reference; figures from the DeviceSpec) -----------------------
 
 def _is16(dtype: torch.dtype) -> bool:

@@ -91,13 +91,18 @@ def opaque_call(node) -> OpaqueCall:
 
 
 def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec, stages: dict | None = None) -> LaunchCost:
-    """One launch overhead, then the launch's kernels played back to back (a later kernel's loads
+    return played_launch(launch, calls, spec, stages)[0]
+
+
+def played_launch(launch: Launch, calls: dict, spec: DeviceSpec,
+                  stages: dict | None = None) -> tuple[LaunchCost, timing.Profile | None]:
+    """The launch's cost and, for tile kernels, its profile. One launch overhead, then the launch's kernels played back to back (a later kernel's loads
     may overlap an earlier one's compute where no value flows between them). `calls` maps an
     opaque kernel's node to its OpaqueCall. `stages`: id of a kernel whose program is the same in
     every launch it is costed in -> its (HBM bytes, FLOPs, program) once made (None before)."""
     first = launch.kernels[0]
     if first.kind == "opaque":
-        return opaque_cost(first, calls[first.nodes[0]], spec)
+        return opaque_cost(first, calls[first.nodes[0]], spec), None
     hbm, flops, program = 0, 0, ()
     for kernel in launch.kernels:
         stage = stages.get(id(kernel)) if stages is not None else None
@@ -108,7 +113,12 @@ def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec, stages: dict | No
         hbm, flops, program = hbm + stage[0], flops + stage[1], program + stage[2]
     played = timing.schedule(program, spec)
     engine = "TensorEngine" if flops else played.busiest()
-    return LaunchCost(launch.name, engine, spec.launch_overhead_s + played.seconds, hbm, flops)
+    seconds = spec.launch_overhead_s + played.seconds
+    sixteen_bit = all(op.srcs[1].dtype.itemsize <= 2 for kernel in launch.kernels for op in kernel.body
+                      if op.op is Ops.MATMUL)
+    peak = spec.tensor_flops_bf16 if sixteen_bit else spec.tensor_flops_fp32
+    return (LaunchCost(launch.name, engine, seconds, hbm, flops),
+            timing.profile(played, seconds, hbm, flops, peak, spec))
 
 
 def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCost:
@@ -135,5 +145,6 @@ def opaque_calls(region: Region) -> dict:
 
 def estimate_cost(region: Region) -> Region:
     calls = opaque_calls(region)
-    cost = tuple(launch_cost(launch, calls, region.spec) for launch in region.launches)
-    return region.replace(pass_name="cost", cost=cost)
+    played = [played_launch(launch, calls, region.spec) for launch in region.launches]
+    return region.replace(pass_name="cost", cost=tuple(cost for cost, _ in played),
+                          profiles=tuple(profile for _, profile in played))
