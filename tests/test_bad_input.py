@@ -94,7 +94,7 @@ def test_engine_unknown_argument_and_bad_device_setting():
         with tilewise.engine(mode="eager"):
             assert tilewise.DEVICE.spec.name == "trn3"
     with pytest.raises(tilewise.ConfigError, match="trn1, trn2, trn3"):
-        os.environ["TILEWISE_DEVICE"] = "trn1"
+        os.environ["TILEWISE_DEVICE"] = "trn4"
         try:
             with tilewise.engine():
                 pass
