@@ -65,18 +65,26 @@ def op_program(spec: DeviceSpec, engine: str, in_bytes: int, out_bytes: int, wor
 
 
 _CACHE_LIMIT = 1 << 16
-_seconds: dict = {}  # (spec, engine, in_bytes, out_bytes, work, dtype, out_shape) -> seconds
+
+
+# (spec, {(engine, in_bytes, out_bytes, work, dtype, out_shape): seconds}) for the spec last asked
+# about: the eager path asks once per op, so the spec is compared by identity (hashing its fields per
+# op would cost more than the lookup saves); one tuple, replaced whole, so threads see a spec with
+# its own table
+_played: tuple = (None, {})
 
 
 def kernel_seconds(spec: DeviceSpec, engine: str, in_bytes: int, out_bytes: int, work: int,
                    dtype: torch.dtype, out_shape: tuple = ()) -> float:
     """One launch, then the op's standard tile program played; each signature played once.
     `out_shape` matters to the TensorEngine only (pass () for other engines)."""
-    key = (spec, engine, in_bytes, out_bytes, work, dtype, out_shape)
-    seconds = _seconds.get(key)
+    global _played
+    played = _played
+    if played[0] is not spec or len(played[1]) >= _CACHE_LIMIT:
+        played = _played = (spec, {})
+    key = (engine, in_bytes, out_bytes, work, dtype, out_shape)
+    seconds = played[1].get(key)
     if seconds is None:
-        if len(_seconds) >= _CACHE_LIMIT:
-            _seconds.clear()
         program = op_program(spec, engine, in_bytes, out_bytes, work, dtype, out_shape)
-        seconds = _seconds[key] = spec.launch_overhead_s + timing.schedule(program, spec).seconds
+        seconds = played[1][key] = spec.launch_overhead_s + timing.schedule(program, spec).seconds
     return seconds
