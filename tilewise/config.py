@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .errors import ConfigError
 
 MODES = ("eager", "adaptive", "compiled")
-DEVICES = ("trn2", "trn3")
+DEVICES = ("trn1", "trn2", "trn3")
 HOST_BACKENDS = ("native", "torch")
 ON_OFF = ("on", "off")
 ATTENTION_KERNELS = ("cpu", "flash")
@@ -121,7 +121,8 @@ SETTINGS: dict[str, Setting] = {
     "threshold": Setting(3, "TILEWISE_THRESHOLD", _int_at_least(1),
                          "flushes a region must be seen in before adaptive mode compiles it"),
     "device": Setting("trn2", "TILEWISE_DEVICE", _choice(DEVICES),
-                      "DeviceSpec preset the simulated NeuronCore follows"),
+                      "DeviceSpec preset the simulated NeuronCore follows (figures and cost formulas: "
+                      "docs/design/timing-model.md)"),
     "cores": Setting(None, "TILEWISE_CORES", _optional_cores,
                      "NeuronCores in this process (neuron:0 ... neuron:N-1); unset: the DeviceSpec's cores per chip",
                      number=True),

@@ -81,7 +81,9 @@ def test_a_training_step_takes_clearly_less_simulated_time_adaptive_than_eager(n
     tilewise.stats().reset()
     seconds, launches = _last_step(name, "adaptive")
     assert tilewise.stats().ops_compiled > 0 and tilewise.stats().cache_hits > 0
-    assert seconds < 0.4 * eager_seconds, (seconds, eager_seconds)  # measured: mlp 0.17x, gpt 0.12x
+    # measured under the timing model: mlp 0.39x, gpt 0.42x (the roofline gave 0.17x, 0.12x: it charged
+    # eager ops no per-transfer DMA costs and compiled matmuls at peak, where their loop nest is DMA-bound)
+    assert seconds < 0.5 * eager_seconds, (seconds, eager_seconds)
     assert launches < eager_launches / 4, (launches, eager_launches)
 
 

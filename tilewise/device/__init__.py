@@ -8,7 +8,7 @@ from . import generators, serialization, unsupported  # noqa: E402
 from .accelerator import answer_accelerator_api  # noqa: E402
 from .parallel import data_parallel_across_cores  # noqa: E402
 from .runtime import DEVICE, Device  # noqa: E402
-from .spec import PRESETS, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
+from .spec import PRESETS, TRN1, TRN2, TRN3, DeviceSpec, preset  # noqa: E402
 from .tensor import NEURON, NeuronTensor, _rebuild, reduce_for_process, wrap  # noqa: E402
 
 allow_loading(_rebuild, NeuronTensor)
@@ -25,5 +25,5 @@ unsupported.refuse_storages()
 unsupported.refuse_nested()
 generators.install()
 
-__all__ = ["DEVICE", "Device", "DeviceSpec", "NEURON", "NeuronTensor", "PRESETS", "TRN2", "TRN3",
+__all__ = ["DEVICE", "Device", "DeviceSpec", "NEURON", "NeuronTensor", "PRESETS", "TRN1", "TRN2", "TRN3",
            "preset", "wrap"]

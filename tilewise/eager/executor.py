@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..device import backward_errors, generators
-from ..device.cost import compute_rate
+from ..device.cost import kernel_seconds
 from ..device.runtime import DEVICE
 from ..device.tensor import TRACED, NeuronTensor, foreign_subclass, wrap, wrap_output
 from ..errors import DeviceError
@@ -112,9 +112,9 @@ def run(func, args, kwargs):
         else:
             out_numel = out.numel()
             flops, work = 0, out_numel if out_numel > numel else numel
-        hbm_bytes = read + written
-        DEVICE.cores[core].timeline.record(plan.name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, out.dtype),
-                                           hbm_bytes, flops)
+        seconds = kernel_seconds(DEVICE.spec, plan.engine, read, written, work, out.dtype,
+                                 out.shape if flops else ())
+        DEVICE.cores[core].timeline.record(plan.name, plan.engine, seconds, read + written, flops)
         counters.kernels += 1
     return result
 
@@ -403,44 +403,23 @@ def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) 
         return
     if type(out) is _Tensor:  # the common case, without _output_traffic's tests
         out_numel = out.numel()
-        written, dtype = out_numel * out.element_size(), out.dtype
+        written, dtype, shape = out_numel * out.element_size(), out.dtype, out.shape
     else:
         # Ops without returns (the in-place _foreach_ family) write their first argument.
         written, out_numel, dtype = _output_traffic(out if out is not None else host_args[0] if host_args else None)
         if dtype is None:
             return  # nothing computed on the device (e.g. a scalar read), no kernel
+        shape = (out_numel,)
     if plan.flops is not None:
         flops = work = int(plan.flops(*host_args, **kwargs, out_val=out))
     else:
         flops, work = 0, out_numel if out_numel > traffic.numel else traffic.numel
-    hbm_bytes = traffic.bytes + written
     source = traffic.source(core) if plan.cross_device else None
     # a copy between cores is a transfer, charged to the receiving core and named for both
     name = plan.name if source is None else f"{plan.name} neuron:{source}->neuron:{core}"
-    DEVICE.cores[core].timeline.record(name, plan.engine, _kernel_seconds(plan.engine, hbm_bytes, work, dtype),
-                                       hbm_bytes, flops)
+    seconds = kernel_seconds(DEVICE.spec, plan.engine, traffic.bytes, written, work, dtype, shape if flops else ())
+    DEVICE.cores[core].timeline.record(name, plan.engine, seconds, traffic.bytes + written, flops)
     counters.kernels += 1
-
-
-_rates: dict = {}  # (engine, dtype) -> compute rate under _rates_spec
-_rates_spec = None
-
-
-def _kernel_seconds(engine: str, hbm_bytes: int, work: float, dtype: torch.dtype) -> float:
-    """device.cost.kernel_seconds with each (engine, dtype)'s compute rate read once per spec:
-    the same arithmetic, so the same simulated time, for one kernel charged per eager op."""
-    global _rates_spec
-    spec = DEVICE.spec
-    if spec is not _rates_spec:  # a preset switched (DEVICE.use_spec) since the last kernel
-        _rates_spec = spec
-        _rates.clear()
-    key = (engine, dtype)
-    rate = _rates.get(key, _rates)
-    if rate is _rates:
-        rate = _rates[key] = compute_rate(spec, engine, dtype)
-    compute = work / rate if rate is not None else 0.0
-    dma = hbm_bytes / spec.hbm_bandwidth
-    return spec.launch_overhead_s + (compute if compute > dma else dma)  # max(dma, compute)
 
 
 def _output_traffic(out) -> tuple[int, int, torch.dtype | None]:

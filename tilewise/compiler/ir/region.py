@@ -6,6 +6,7 @@ tile kernel.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,7 @@ class Region:
     launches: tuple[Launch, ...] = ()  # the kernels grouped into device launches, in run order
     refused: tuple = ()              # (node or group name, reason)
     cost: tuple = ()                 # (kernel name, engine, seconds, hbm bytes, flops)
+    profiles: tuple = ()             # per launch: the timing model's Profile (None for an opaque op)
     native: object = None            # the emit pass's NativeProgram: the kernels as C, the ones kept on PyTorch
     spec: object = None              # the DeviceSpec the passes compile for
     example_inputs: tuple = ()       # what decompose traces with (dropped after it)
@@ -63,9 +65,11 @@ class Region:
         if self.launches:
             lines.append("")
         lines.extend("  " + str(launch) for launch in self.launches)
-        for launch in self.cost:
+        for launch, profile in itertools.zip_longest(self.cost, self.profiles):
             lines.append(f"  # cost of launch {launch.name}: {launch.engine} {launch.seconds * 1e6:.2f} us, "
                          f"{launch.hbm_bytes} HBM bytes, {launch.flops} flops")
+            if profile is not None:
+                lines.append(f"  #   {profile}")
         for what, reason in self.refused:
             lines.append(f"  # refused {what}: {reason}")
         if self.native is not None and self.pass_name == "emit":  # the C once, where it was made

@@ -1,10 +1,11 @@
-"""Pass 6: estimate each launch's cost: one launch overhead, then per kernel the HBM traffic for
-what enters and leaves it (nothing for values resident in SBUF) and per-tile engine time with DMA
-overlapped against compute (tilewise.device.cost rates).
+"""Pass 6: estimate each launch's cost: one launch overhead, then its kernels' tile instructions
+played by the instruction-level timing model (passes/timing.py turns a kernel into the model's
+program; tilewise.device.timing schedules it on the engines and DMA queues).
 
-Work is summed analytically over the loop nest instead of by running it: an instruction's elements
-are the product of its axes' loop extents (edge tiles included exactly) times the trip counts of
-the enclosing loops it does not index.
+The launch's HBM traffic (what enters and leaves it; nothing for values resident in SBUF) and its
+FLOPs are summed analytically over the loop nest: an instruction's elements are the product of its
+axes' loop extents (edge tiles included exactly) times the trip counts of the enclosing loops it
+does not index.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from typing import NamedTuple
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ...device.cost import SCALAR_OPS, compute_seconds, dma_seconds, engine_of, kernel_seconds
+from ...device import timing
+from ...device.cost import engine_of, kernel_seconds
 from ...device.spec import DeviceSpec
 from ... import op_facts
 from .ops import val
+from .timing import kernel_program
 from ..ir.region import Region
 from ..ir.tile_ir import Kernel, Launch, Ops
 
@@ -33,14 +36,6 @@ class LaunchCost(NamedTuple):
 
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
-
-
-def _engine(op) -> str:
-    if op.op is Ops.MATMUL:
-        return "TensorEngine"
-    if op.op in (Ops.ALU, Ops.REDUCE):
-        return "ScalarEngine" if op.arg[0]._overloadpacket.__name__ in SCALAR_OPS else "VectorEngine"
-    return "VectorEngine"
 
 
 def _walk(kernel: Kernel):
@@ -67,34 +62,17 @@ def _walk(kernel: Kernel):
         yield op, elements, tiles
 
 
-def _stage(kernel: Kernel, launch: Launch, spec: DeviceSpec) -> tuple:
-    """(HBM bytes, DMA seconds, busiest engine, its seconds, flops, outer tiles) of one kernel of a
-    launch. Loads and stores of values resident in SBUF move nothing through HBM."""
+def _traffic(kernel: Kernel, launch: Launch) -> tuple[int, int]:
+    """(HBM bytes, matmul FLOPs) of one kernel of a launch. Loads and stores of values resident in
+    SBUF move nothing through HBM."""
     off_chip = {name for op in kernel.body if op.op is Ops.LOAD
                 for name in [op.arg[0]] if not launch.on_chip(kernel.inputs[name], op.arg[1])}
     kept = {name for name, ref in kernel.outputs.items() if launch.only_on_chip(ref)}
     # an output is written where its view says: all of it, or some columns (a part of a cat)
     hbm = sum(_nbytes(kernel.inputs[n].shape, kernel.inputs[n].dtype) for n in off_chip) + \
         sum(_nbytes(r.rows_cols, r.dtype) for n, r in kernel.outputs.items() if n not in kept)
-    dma_bytes, flops, engine_time, tiles = 0, 0, {}, 0
-    for op, elements, outer in _walk(kernel):
-        if op.op is Ops.RANGE:
-            continue
-        tiles = max(tiles, outer)
-        if op.op is Ops.LOAD and launch.on_chip(kernel.inputs[op.arg[0]], op.arg[1]) or \
-                op.op is Ops.STORE and op.arg in kept:
-            continue
-        if op.op in (Ops.LOAD, Ops.STORE):
-            dma_bytes += elements * (op.dtype or op.srcs[0].dtype).itemsize
-            continue
-        engine = _engine(op)
-        work = 2 * elements if op.op is Ops.MATMUL else elements
-        flops += work if op.op is Ops.MATMUL else 0
-        dtype = op.srcs[1].dtype if op.op is Ops.MATMUL else op.dtype
-        engine_time[engine] = engine_time.get(engine, 0.0) + compute_seconds(spec, engine, work, dtype)
-    compute = max(engine_time.values(), default=0.0)
-    engine = "TensorEngine" if flops else max(engine_time, key=engine_time.get) if engine_time else "DMA"
-    return hbm, dma_seconds(spec, dma_bytes), engine, compute, flops, max(tiles, 1)
+    flops = sum(2 * elements for op, elements, _ in _walk(kernel) if op.op is Ops.MATMUL)
+    return hbm, flops
 
 
 class OpaqueCall(NamedTuple):
@@ -114,28 +92,34 @@ def opaque_call(node) -> OpaqueCall:
 
 
 def launch_cost(launch: Launch, calls: dict, spec: DeviceSpec, stages: dict | None = None) -> LaunchCost:
-    """One launch overhead, then each kernel in turn: its DMA overlapped with its compute. `calls`
-    maps an opaque kernel's node to its OpaqueCall. `stages`: id of a kernel whose stage is the
-    same in every launch it is costed in -> its stage once computed (None before)."""
+    return played_launch(launch, calls, spec, stages)[0]
+
+
+def played_launch(launch: Launch, calls: dict, spec: DeviceSpec,
+                  stages: dict | None = None) -> tuple[LaunchCost, timing.Profile | None]:
+    """The launch's cost and, for tile kernels, its profile. One launch overhead, then the launch's kernels played back to back (a later kernel's loads
+    may overlap an earlier one's compute where no value flows between them). `calls` maps an
+    opaque kernel's node to its OpaqueCall. `stages`: id of a kernel whose program is the same in
+    every launch it is costed in -> its (HBM bytes, FLOPs, program) once made (None before)."""
     first = launch.kernels[0]
     if first.kind == "opaque":
-        return opaque_cost(first, calls[first.nodes[0]], spec)
-    seconds, hbm, flops, busy = spec.launch_overhead_s, 0, 0, {}
+        return opaque_cost(first, calls[first.nodes[0]], spec), None
+    hbm, flops, program = 0, 0, ()
     for kernel in launch.kernels:
-        if stages is not None and id(kernel) in stages:
-            stage = stages[id(kernel)]
-            if stage is None:
-                stage = stages[id(kernel)] = _stage(kernel, launch, spec)
-        else:
-            stage = _stage(kernel, launch, spec)
-        stage_hbm, dma, engine, compute, stage_flops, tiles = stage
-        stage = dma / tiles + max(dma, compute)
-        seconds += stage
-        hbm, flops = hbm + stage_hbm, flops + stage_flops
-        engine = engine if compute >= dma else "DMA"
-        busy[engine] = busy.get(engine, 0.0) + stage
-    engine = "TensorEngine" if flops else max(busy, key=busy.get)
-    return LaunchCost(launch.name, engine, seconds, hbm, flops)
+        stage = stages.get(id(kernel)) if stages is not None else None
+        if stage is None:
+            stage = (*_traffic(kernel, launch), kernel_program(kernel, spec, launch))
+            if stages is not None and id(kernel) in stages:
+                stages[id(kernel)] = stage
+        hbm, flops, program = hbm + stage[0], flops + stage[1], program + stage[2]
+    played = timing.schedule(program, spec)
+    engine = "TensorEngine" if flops else played.busiest()
+    seconds = spec.launch_overhead_s + played.seconds
+    sixteen_bit = all(op.srcs[1].dtype.itemsize <= 2 for kernel in launch.kernels for op in kernel.body
+                      if op.op is Ops.MATMUL)
+    peak = spec.tensor_flops_bf16 if sixteen_bit else spec.tensor_flops_fp32
+    return (LaunchCost(launch.name, engine, seconds, hbm, flops),
+            timing.profile(played, seconds, hbm, flops, peak, spec))
 
 
 def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCost:
@@ -146,14 +130,16 @@ def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCos
         return LaunchCost(*tile_kernel(call.args, call.kwargs))
     outs = [o for o in (call.out if isinstance(call.out, (list, tuple)) else [call.out]) if isinstance(o, torch.Tensor)]
     ins = list(call.inputs)
-    hbm = sum(_nbytes(t.shape, t.dtype) for t in ins + outs)
+    read, written = sum(_nbytes(t.shape, t.dtype) for t in ins), sum(_nbytes(t.shape, t.dtype) for t in outs)
     formula = flop_registry.get(getattr(call.target, "_overloadpacket", None))
     flops = int(formula(*call.args, **call.kwargs, out_val=call.out)) if formula is not None else 0
     name = getattr(getattr(call.target, "_overloadpacket", None), "__name__", str(call.target))
     engine = engine_of(name, formula is not None)
     work = flops or max([t.numel() for t in ins + outs] or [0])
     dtype = outs[0].dtype if outs else torch.float32
-    return LaunchCost(kernel.name, engine, kernel_seconds(spec, engine, hbm, work, dtype), hbm, flops)
+    shape = tuple(outs[0].shape) if engine == "TensorEngine" and outs else ()
+    seconds = kernel_seconds(spec, engine, read, written, work, dtype, shape)
+    return LaunchCost(kernel.name, engine, seconds, read + written, flops)
 
 
 def opaque_calls(region: Region) -> dict:
@@ -164,5 +150,6 @@ def opaque_calls(region: Region) -> dict:
 
 def estimate_cost(region: Region) -> Region:
     calls = opaque_calls(region)
-    cost = tuple(launch_cost(launch, calls, region.spec) for launch in region.launches)
-    return region.replace(pass_name="cost", cost=cost)
+    played = [played_launch(launch, calls, region.spec) for launch in region.launches]
+    return region.replace(pass_name="cost", cost=tuple(cost for cost, _ in played),
+                          profiles=tuple(profile for _, profile in played))
