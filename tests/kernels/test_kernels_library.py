@@ -187,7 +187,9 @@ def test_fp8_matmul_accumulates_in_fp32(dtype):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), a.double() @ b.double().T, rtol=1e-2, atol=0.5)
     bf16 = kernel.trace((a.to(torch.bfloat16), b.to(torch.bfloat16))).report.engines["TensorEngine"]
-    assert kernel.trace((a, b)).report.engines["TensorEngine"] < bf16  # twice the bf16 rate
+    # fp8 runs at twice the bf16 rate only in double-row matmuls (256 contraction rows a pass); this
+    # kernel feeds 128 rows a matmul, so the timing model charges it what bf16 costs
+    assert kernel.trace((a, b)).report.engines["TensorEngine"] == pytest.approx(bf16)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -15,7 +15,6 @@ from ..device.runtime import DEVICE
 from ..device.tensor import TRACED, NeuronTensor, foreign_subclass, wrap, wrap_output
 from ..errors import DeviceError
 from . import composite, cuda_inputs
-from .. import op_facts
 from ..op_facts import MATERIALIZED
 from .plan import PLANS, OpPlan, plan_of
 
@@ -396,9 +395,8 @@ _HOST_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _charge(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int) -> None:
-    tile_kernel = op_facts.TILE_KERNEL.get(plan.func)
-    if tile_kernel is not None:  # a hand-written kernel: its own simulated cost, under its name
-        DEVICE.cores[core].timeline.record(*tile_kernel(host_args, kwargs))
+    if plan.tile_cost is not None:  # a hand-written kernel: its own simulated cost, under its name
+        DEVICE.cores[core].timeline.record(*plan.tile_cost(host_args, kwargs))
         counters.kernels += 1
         return
     if type(out) is _Tensor:  # the common case, without _output_traffic's tests

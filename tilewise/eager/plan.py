@@ -52,6 +52,7 @@ class OpPlan(NamedTuple):
     # whose only arguments are device tensors and Python scalars (not a generator, which may be a
     # neuron generator standing for a CPU one: executor._unwrap)
     simple: bool
+    tile_cost: Callable | None = None  # a hand-written tile kernel's op: its own cost (op_facts.TILE_KERNEL)
 
 
 # Keyed by id(func): an OpOverload hashes in Python, and this runs for every op. A plan holds its
@@ -139,6 +140,7 @@ def _make_plan(func) -> OpPlan:
     implicit = _implicit(func)
     composite = COMPOSITES.get(func) or (func.decompose if implicit else None)
     cross_device = name in CROSS_DEVICE
+    tile_cost = op_facts.TILE_KERNEL.get(func)
     return OpPlan(
         name=name,
         view=view,
@@ -155,7 +157,8 @@ def _make_plan(func) -> OpPlan:
         # OpOverload.__call__ is a Python frame around `_op`; its subclasses may do more
         call=func._op if type(func) is torch._ops.OpOverload else func,
         simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS
-        and not _takes_a_generator(schema) and func not in op_facts.TILE_KERNEL,
+        and not _takes_a_generator(schema) and tile_cost is None,
+        tile_cost=tile_cost,
     )
 
 

@@ -1,29 +1,28 @@
-"""What a traced kernel costs on the simulated NeuronCore: each instruction's time on its engine from
-the device cost model's rates (tilewise.device.cost), plus each engine's fixed start-up of 64
-cycles per instruction; HBM traffic of its DMAs. The engines and the DMA queues run concurrently,
-so the kernel takes one launch plus its busiest engine (a bound that assumes perfect overlap)."""
+"""What a traced kernel costs on the simulated NeuronCore: its instructions played by the device's
+instruction-level timing model (tilewise.device.timing), the same model that costs compiled
+kernels and eager ops. A hand-written kernel is traced unrolled, with buffers written in place:
+each instruction goes to the engine the kernel named (DMA queues for loads and stores) with the
+cost of its window's sizes, reads the buffers of its sources (a matmul also its accumulator) and
+writes its destination buffer; a load of an HBM tensor waits for the kernel's store to it."""
 from __future__ import annotations
 
 import collections
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
-import torch
-
 from ..compiler.ir.tile_ir import Kernel, Ops, TileOp
-from ..device.cost import compute_seconds, dma_seconds
+from ..device import timing
 from ..device.spec import DeviceSpec
 
-FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
-STARTUP_CYCLES = 64  # an engine instruction's fixed start-up (NKI ISA docs, NeuronCore-v2 cost notes)
+ENGINE_OPS = (Ops.ALU, Ops.REDUCE, Ops.BROADCAST, Ops.COPY, Ops.FILL, Ops.IOTA, Ops.SELECT)
 
 
 @dataclass
 class Report:
     """A kernel's simulated run: seconds per engine, DMA traffic, on-chip high-water marks."""
     kernel: str
-    seconds: float = 0.0                      # launch + the busiest engine
-    engines: dict = field(default_factory=dict)       # engine -> busy seconds
+    seconds: float = 0.0                      # one launch, then the kernel's instructions played
+    engines: dict = field(default_factory=dict)       # engine (or "DMA": summed over its queues) -> busy seconds
     instructions: dict = field(default_factory=dict)  # engine -> instruction count
     dma_bytes: int = 0                        # bytes the DMAs move between HBM and SBUF
     flops: int = 0
@@ -41,45 +40,34 @@ class Report:
                 f"PSUM {self.psum_bytes_per_partition} B/partition")
 
 
-def _clock(spec: DeviceSpec, engine: str) -> float:
-    if engine == "TensorEngine":  # a 128x128 array doing one bf16 multiply-add per cell per cycle
-        return spec.tensor_flops_bf16 / (2 * spec.partitions * spec.partitions)
-    return spec.scalar_hz if engine == "ScalarEngine" else spec.vector_hz
-
-
-def instruction_cost(op: TileOp, spec: DeviceSpec) -> tuple[str, float, int, int]:
-    """(engine, seconds, DMA bytes, flops) of one instruction of a hand-written kernel."""
+def instruction(op: TileOp, spec: DeviceSpec) -> timing.Instr:
+    """One instruction of a hand-written kernel as the timing model plays it."""
     if op.op in (Ops.LOAD, Ops.STORE):
-        moved = math.prod(op.at[0].shape) * op.dtype.itemsize
-        return "DMA", dma_seconds(spec, moved), moved, 0
-    engine = op.arg[0]
+        partitions, free = op.at[0].shape
+        nbytes = partitions * free * op.dtype.itemsize
+        hbm = ("hbm", op.arg[0])
+        reads, writes = ((hbm,), op.srcs) if op.op is Ops.LOAD else (op.srcs, (hbm,))
+        return timing.dma_instr(spec, nbytes, partitions, reads, writes)
+    dst, *sources = op.srcs
     if op.op is Ops.MATMUL:
-        (k, m), (_, n) = op.at[1].shape, op.at[2].shape
-        flops = 2 * k * m * n
-        work, dtype = flops, op.srcs[2].dtype
-        if dtype in FP8:  # twice the bf16 rate on trn2 (double-row matmul), as the DeviceSpec has no fp8 figure
-            work, dtype = flops / 2, torch.bfloat16
-    else:
-        flops = 0
-        work = math.prod((op.at[1] if op.op is Ops.REDUCE else op.at[0]).shape)
-        dtype = op.dtype if engine != "GpSimdEngine" else torch.float32
-    rate_engine = "VectorEngine" if engine == "GpSimdEngine" else engine
-    seconds = STARTUP_CYCLES / _clock(spec, engine) + compute_seconds(spec, rate_engine, work, dtype)
-    return engine, seconds, 0, flops
+        (rows, stationary), (_, moving) = op.at[1].shape, op.at[2].shape
+        return timing.matmul_instr(spec, stationary, moving, rows, sources[0].dtype, op.srcs, (dst,))
+    if op.arg[0] == timing.TENSOR:  # a transpose: a matmul of the tile with the identity
+        partitions, free = op.at[1].shape
+        moved = timing.matmul_instr(spec, partitions, free, partitions, sources[0].dtype, sources, (dst,))
+        return dataclasses.replace(moved, flops=0)  # data movement, not arithmetic the kernel asked for
+    free = max(window.shape[1] for window in op.at)
+    wide_inputs = sum(1 for window in op.at[1:] if window.shape[1] > 1)
+    widest = max((dst, *sources), key=lambda tile: tile.dtype.itemsize).dtype
+    return timing.engine_instr(spec, op.arg[0], free, widest, sources, (dst,), two_input=wide_inputs > 1)
 
 
 def report(kernel: Kernel, spec: DeviceSpec, high_water: dict) -> Report:
-    engines, counts = collections.Counter(), collections.Counter()
-    out = Report(kernel.name, sbuf_bytes_per_partition=high_water["sbuf"],
-                 psum_bytes_per_partition=high_water["psum"])
-    for op in kernel.body:
-        if not op.at:
-            continue
-        engine, seconds, moved, flops = instruction_cost(op, spec)
-        engines[engine] += seconds
-        counts[engine] += 1
-        out.dma_bytes += moved
-        out.flops += flops
-    out.engines, out.instructions = dict(engines), dict(counts)
-    out.seconds = spec.launch_overhead_s + max(engines.values(), default=0.0)
-    return out
+    program = tuple(instruction(op, spec) for op in kernel.body
+                    if op.at and (op.op in (Ops.LOAD, Ops.STORE, Ops.MATMUL) or op.op in ENGINE_OPS))
+    played = timing.schedule(program, spec)
+    counts = collections.Counter(instr.engine for instr in program)
+    return Report(kernel.name, spec.launch_overhead_s + played.seconds,
+                  {engine: seconds for engine, seconds in played.busy.items() if seconds},
+                  dict(counts), int(played.nbytes), int(played.flops),
+                  high_water["sbuf"], high_water["psum"])
