@@ -78,6 +78,34 @@ def test_the_matcher_cuts_each_step_and_finds_it_again_after_other_ops():
     assert ends == [6, 16, 30]
 
 
+def _fake_stream(finder, ops, search_ops):
+    """Feed the finder a stream of ops ('read' ends the segment as a read does); the actions taken."""
+    from types import SimpleNamespace
+    segment, actions = SimpleNamespace(nodes=[]), []
+    for op in ops:
+        if op == "read":
+            segment = SimpleNamespace(nodes=[])
+            continue
+        segment.nodes.append(SimpleNamespace(func=op, inputs=[0], srcs=[]))
+        action = finder.after_record(segment, search_ops)
+        actions.append(action)
+        if action is not StepAction.RECORD:
+            segment = SimpleNamespace(nodes=[])
+    return actions
+
+
+def test_a_step_that_repeats_inside_is_not_searched_for_ever_when_reads_end_each_step():
+    """Identical layers forward, then backward, in a step longer than a search, read every step:
+    each search finds a layer, forward and backward take turns; after they have alternated once
+    the searches wait longer than a step, and segments end at the reads, as without a finder."""
+    from types import SimpleNamespace
+    from tilewise.adaptive.stats import StepStats
+    finder = P.StepFinder(SimpleNamespace(steps=StepStats()))
+    step = ["f1", "f2", "f3", "f4"] * 10 + ["b1", "b2", "b3", "b4"] * 10 + ["read"]
+    learned = [_fake_stream(finder, step, 32).count(StepAction.LEARN) for _ in range(6)]
+    assert learned[0] == 2 and learned[2:] == [0, 0, 0, 0], learned
+
+
 # -- the policy's table -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("step_ends, rest, length, search_at, action", [

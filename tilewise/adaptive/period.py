@@ -139,13 +139,19 @@ class StepFinder:
         self.matcher: StepMatcher | None = None
         self.search_at = 0                # the current segment's length at its next search
         self.rest_of_found_step = False   # the next step to end began in the segment searched
+        # Steps found before. One found again after another replaced it means the stream
+        # alternates between them, as when a step is longer than a search and repeats inside
+        # (identical layers forward, then backward): each search after the first waits `backoff`
+        # times longer, until a search holds the whole step or a read ends the segment first.
+        self.found: set[tuple] = set()
+        self.backoff = 1
 
     def after_record(self, segment: Segment, search_ops: int) -> StepAction:
         """Called once per recorded op (the segment's last node): cheap unless a step ends or the
         segment has grown to its next search."""
         nodes = segment.nodes
         if len(nodes) == 1:  # a new segment
-            self.search_at = search_ops or _NEVER
+            self.search_at = search_ops * self.backoff or _NEVER
         step_ends = self.matcher is not None and self.matcher.feed(op_key(nodes[-1]))
         if not step_ends and len(nodes) < self.search_at:
             return StepAction.RECORD
@@ -164,6 +170,10 @@ class StepFinder:
             counts.no_period[found] += 1
             self.search_at *= 2
             return after_search(found_period=False)
+        if found.keys in self.found and (self.matcher is None or self.matcher.keys != found.keys):
+            self.backoff *= 2
+        elif len(self.found) < _REMEMBERED:
+            self.found.add(found.keys)
         self.matcher = StepMatcher(found)
         self.rest_of_found_step = found.into_step > 0
         counts.found += 1
@@ -173,3 +183,4 @@ class StepFinder:
 
 
 _NEVER = 1 << 62
+_REMEMBERED = 64  # steps kept in StepFinder.found
