@@ -9,12 +9,13 @@ boundary, the period found (ops) and, for the last row of each loop, the ratio o
 seconds to the read-every-step row's. Each row runs in a fresh process (the engine's and the
 compiler's caches are process-wide), rows of one loop one after another.
 
-    python benchmarks/steps.py [--quick] [--mode adaptive|compiled] [--steps N]
+    python benchmarks/steps.py [--quick] [--mode adaptive|compiled] [--steps N] [--finder on|off] [--loops mlp,...]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -102,7 +103,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, for a smoke test")
     parser.add_argument("--mode", default="adaptive", choices=("adaptive", "compiled"))
-    parser.add_argument("--steps", type=int, default=None, help="steps per row (default 300; 120 for TinyGPT)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per row (default 150; 60 for TinyGPT)")
+    parser.add_argument("--finder", default="on", choices=("on", "off"),
+                        help="off: step_search_ops=0, segments end at reads only (the engine before issue 43)")
     parser.add_argument("--loops", default=",".join(LOOPS), help="comma-separated: " + ", ".join(LOOPS))
     parser.add_argument("--row", help=argparse.SUPPRESS)  # loop:interval, run in this process
     args = parser.parse_args()
@@ -110,16 +113,17 @@ def main():
         loop, interval = args.row.split(":")
         print(json.dumps(row(loop, None if interval == "never" else int(interval), args.steps, args.mode)))
         return
-    print(f"mode {args.mode}; fraction: compiled ops after the first third of the steps")
+    print(f"mode {args.mode}, step finder {args.finder}; fraction: compiled ops after the first third of the steps")
     print(f"{'loop':8} {'read every':>10} {'steps':>5} {'fraction':>8} {'compiles':>8} {'compile s':>9} "
           f"{'cuts':>5} {'period':>6} {'vs every 1':>10}")
     for loop in args.loops.split(","):
-        steps = args.steps or (30 if args.quick else 120 if loop == "tinygpt" else 300)
+        steps = args.steps or (30 if args.quick else 60 if loop == "tinygpt" else 150)
         base = None
         for interval in INTERVALS:
             name = "never" if interval is None else str(interval)
+            env = dict(os.environ, **({"TILEWISE_STEP_SEARCH_OPS": "0"} if args.finder == "off" else {}))
             out = subprocess.run([sys.executable, __file__, "--row", f"{loop}:{name}", "--steps", str(steps),
-                                  "--mode", args.mode], capture_output=True, text=True, check=True)
+                                  "--mode", args.mode], capture_output=True, text=True, check=True, env=env)
             result = json.loads(out.stdout.strip().splitlines()[-1])
             base = result["compile_seconds"] if base is None else base
             ratio = result["compile_seconds"] / base if base else float("nan")

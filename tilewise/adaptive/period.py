@@ -28,7 +28,8 @@ MIN_STEP_OPS = 8
 
 
 def op_key(node) -> int:
-    return hash((node.func, len(node.inputs)))
+    # by the op's identity (ops are singletons): hashing an OpOverload costs twice as much, per op
+    return id(node.func) << 8 ^ len(node.inputs)
 
 
 class Period(NamedTuple):
@@ -137,7 +138,7 @@ class StepFinder:
     def __init__(self, stats):
         self.stats = stats
         self.matcher: StepMatcher | None = None
-        self.search_at = 0                # the current segment's length at its next search
+        self.search_at = _NEVER           # the current segment's length at its next search (set at its first op)
         self.rest_of_found_step = False   # the next step to end began in the segment searched
         # Steps found before. One found again after another replaced it means the stream
         # alternates between them, as when a step is longer than a search and repeats inside

@@ -28,7 +28,9 @@ A region at a flush is in one state (`RegionState`); `decide` gives the action:
 
 Per segment: `is_dynamic` (its ops keep coming with new shapes or constants), `is_settling` (its
 regions wait until they recur) and `plan_kept` (its plan replayed as it is, while only floats
-change, or analysed again). This module is pure: the runtime observes (counts, cache entries),
+change, or analysed again). Per recorded op, where the segment ends besides reads (the loop's
+step, found by period.py): `step_action` and `after_search` (CUT at a step's end, SEARCH a segment
+grown long, LEARN from a period found; `NoPeriod` says why none was). This module is pure: the runtime observes (counts, cache entries),
 asks, and does what it is told, counting it in stats().
 """
 from __future__ import annotations
