@@ -1,7 +1,8 @@
 """The engine's runtime: what to do with each op, and what to do with a segment at a flush.
 
 Per op (`dispatch`): record it lazily, or, when it reads data or its outputs' shapes depend on data,
-flush and run it eagerly; random ops run at once so random numbers come in eager's order.
+flush and run it eagerly; random ops run at once so random numbers come in eager's order. Where
+the loop's step ends (period.StepFinder), the segment is flushed, so each step is a segment.
 
 Per flush, the whole policy:
     segment seen before with every node stable and compiled -> replay its plan (guards first)
