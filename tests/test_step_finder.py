@@ -185,3 +185,25 @@ def test_a_long_computation_that_does_not_repeat_is_flushed_as_before():
     assert torch.equal(got, want)
     assert stats.steps.found == 0 and stats.steps.cuts == 0 and stats.steps.no_period[NoPeriod.NO_REPEAT] == 2
     assert stats.segments == 1, stats.report()  # searched at 256 and 512 ops, flushed by the read
+
+
+def _sample(device, steps, read_every):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).to(device)
+    x, read = torch.randn(4, 8).to(device), []
+    with tilewise.engine(mode="adaptive") if device != "cpu" else _nothing(), torch.no_grad():
+        for i in range(steps):
+            x = x - (0.5 / (1 + i)) * model(x)
+            if (i + 1) % read_every == 0:
+                read.append(x.cpu())
+    return read
+
+
+def test_a_sampler_s_step_is_cut_where_only_its_state_flows_on():
+    """Inside the sampler's step two values flow on (the state and a layer's output); at its end
+    only the state: cut there, the reads fall between steps and add no segment of their own."""
+    want = _sample("cpu", 200, 50)
+    got = _sample("neuron", 200, 50)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 4
+    stats = tilewise.stats()
+    assert stats.steps.found == 1 and stats.compiles == 1, stats.report()

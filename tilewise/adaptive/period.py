@@ -24,7 +24,7 @@ from .segment import Segment
 
 # A step shorter than this is taken as several of its repetitions: a chain of identical ops has
 # period 1, and cutting it at every op would flush one op per segment.
-MIN_STEP_OPS = 8
+MIN_STEP_OPS = 4
 
 
 def op_key(node) -> int:
@@ -83,18 +83,27 @@ def find_period(segment: Segment) -> Period | NoPeriod:
 
 
 def _boundary(segment: Segment, period: int) -> int:
-    """Where to cut the segment's last period: the boundary that the fewest dataflow edges cross
-    (a training step's end crosses none: its parameters are written in place, so the next step
-    reads them as external values). Ties go to the segment's own end, then the latest boundary."""
+    """Where to cut the segment's last period: the boundary the fewest values flow across (a
+    training step's end has none: its parameters are written in place, so the next step reads them
+    as external values; a sampler's only its state). Ties go to the segment's own end, then the
+    latest boundary."""
     n = len(segment.nodes)
-    # an edge from node j to node i crosses the cuts j+1..i, whose distances back from the end
-    # (n - i .. n - j - 1) make one run of fewer than `period`: counted by differences, then folded
+    # the values made in the period before the last (their readers less than a period later are
+    # all recorded) -> their last reader
+    last_use: dict = {}
+    for i in range(n - 2 * period, n):
+        for source in segment.nodes[i].srcs:
+            if n - 2 * period <= source[0] < n - period:
+                last_use[source] = i
+    # a value made by node j and last read by node i crosses the cuts j+1..i, whose distances back
+    # from the end (n - i .. n - j - 1) make one run of fewer than `period`: counted by
+    # differences, then folded
     runs = [0] * (2 * period + 1)
-    for i in range(n - period, n):
-        for j, _ in segment.nodes[i].srcs:
-            if i - j < period:  # a longer edge crosses every boundary alike
-                runs[n - i] += 1
-                runs[n - j] -= 1
+    for (j, _), i in last_use.items():
+        if i - j >= period:
+            continue  # read a period or more after it is made (a sampler's state): crosses every boundary alike
+        runs[n - i] += 1
+        runs[n - j] -= 1
     crossing, running = [0] * period, 0
     for back in range(2 * period):
         running += runs[back]
