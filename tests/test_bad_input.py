@@ -25,6 +25,7 @@ BAD_VALUES = {
     "generalise_limit": [-1, 1.5, "twice", float("nan"), None],
     "specialisation_limit": [0, -2, 2.5, "all", float("inf")],
     "max_segment_ops": [0, -5, 2.5, "lots", float("-inf")],
+    "step_search_ops": [-1, 2.5, "often", float("inf"), None],
     "region_cache_size": [0, -1, 0.5, "big", float("nan")],
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
@@ -36,6 +37,7 @@ BAD_VALUES = {
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
            "cache_key_file": "file path", "cache_limit_mb": ">= 1",
            "threshold": ">= 1", "recompile_limit": ">= 0", "max_segment_ops": ">= 1",
+           "step_search_ops": ">= 0",
            "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
            "host_backend": "native, torch", "background_compile": "on, off", "cores": ">= 1"}

@@ -143,6 +143,10 @@ SETTINGS: dict[str, Setting] = {
                                     "model's kernels, cheap to remake); least recently used are dropped"),
     "max_segment_ops": Setting(10_000, "TILEWISE_MAX_SEGMENT_OPS", _int_at_least(1),
                                "a lazy segment is flushed when it holds this many ops"),
+    "step_search_ops": Setting(256, "TILEWISE_STEP_SEARCH_OPS", _int_at_least(0),
+                               "a lazy segment this long with no read is searched for the loop's step (the "
+                               "period of its ops), again at twice the length, and so on; once found, each "
+                               "step is flushed as a segment of its own; 0: segments end only at reads"),
     "region_cache_size": Setting(256, "TILEWISE_REGION_CACHE_SIZE", _int_at_least(1),
                                  "compiled regions kept in memory; least recently used are evicted"),
     "signature_cache_size": Setting(16_384, "TILEWISE_SIGNATURE_CACHE_SIZE", _int_at_least(1),

@@ -636,11 +636,12 @@ def _collections_during(run):
 
 def test_the_cycle_collector_stays_off_the_segments_bookkeeping_while_it_records():
     """A recorded op keeps ~7.5 containers alive until the flush; with the collector on, a segment
-    of thousands of ops sets off dozens of collections, some of the whole heap (collector.py)."""
+    of thousands of ops sets off dozens of collections, some of the whole heap (collector.py). The
+    step finder is off: it would cut this chain of one op into segments of a few ops each."""
     import gc
     assert gc.isenabled()
     x = torch.randn(64).to("neuron")
-    with tilewise.engine(mode="adaptive"):
+    with tilewise.config.patch(step_search_ops=0), tilewise.engine(mode="adaptive"):
         y = x + 1
         assert not gc.isenabled()  # from the segment's first op
 

@@ -62,3 +62,31 @@ def test_an_engine_block_closed_in_one_thread_leaves_the_others_mode_alone():
         compiles = tilewise.stats().compiles
     thread.join(timeout=60)
     assert compiles >= 1, tilewise.stats().report()
+
+
+def test_a_thread_without_a_block_runs_its_ops_eagerly_while_another_records():
+    """What docs/guide/sync-points.md says of a thread with no engine block: its ops run at once,
+    whatever mode another thread's block has; the other thread's recorded work is computed first."""
+    tilewise.reset_caches()
+    block_open, done, seen = threading.Event(), threading.Event(), {}
+    x_cpu = torch.randn(8, 8)
+
+    def outside():
+        block_open.wait(timeout=60)
+        x = x_cpu.to("neuron")
+        y = x.exp()  # no block here: computed now, nothing recorded for it
+        seen["pending"] = RUNTIME.is_pending(y._data)
+        seen["value"] = y._data.clone()
+        done.set()
+
+    thread = threading.Thread(target=outside)
+    thread.start()
+    a = torch.randn(8, 8)
+    with tilewise.engine(mode="compiled"):
+        b = a.to("neuron") * 3  # recorded in this thread's segment
+        block_open.set()
+        done.wait(timeout=60)
+        assert torch.equal(b.cpu(), a * 3)
+    thread.join(timeout=60)
+    assert seen["pending"] is False
+    assert torch.equal(seen["value"], x_cpu.exp())

@@ -35,7 +35,8 @@ class engine:
         config.as_dict()  # a malformed setting fails here, with its allowed values, not later in a thread
         DEVICE.refresh_from_config()
         RUNTIME.flush("engine entered")
-        settings = Settings(self.mode, self.threshold, config.max_segment_ops, config.background_compile == "on")
+        settings = Settings(self.mode, self.threshold, config.max_segment_ops, config.background_compile == "on",
+                            config.step_search_ops)
         if compiles_in_background(settings):
             start_compile_process()  # its imports take seconds: they overlap the warm-up steps
         tracer = Tracer(RUNTIME, settings)

@@ -28,7 +28,9 @@ A region at a flush is in one state (`RegionState`); `decide` gives the action:
 
 Per segment: `is_dynamic` (its ops keep coming with new shapes or constants), `is_settling` (its
 regions wait until they recur) and `plan_kept` (its plan replayed as it is, while only floats
-change, or analysed again). This module is pure: the runtime observes (counts, cache entries),
+change, or analysed again). Per recorded op, where the segment ends besides reads (the loop's
+step, found by period.py): `step_action` and `after_search` (CUT at a step's end, SEARCH a segment
+grown long, LEARN from a period found; `NoPeriod` says why none was). This module is pure: the runtime observes (counts, cache entries),
 asks, and does what it is told, counting it in stats().
 """
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Settings(NamedTuple):
     threshold: int
     max_segment_ops: int
     background_compile: bool = False  # config.background_compile == "on"
+    # a segment this long without a step ending is searched for the loop's step; 0: never
+    step_search_ops: int = 0
 
 
 def compiles_in_background(settings: Settings) -> bool:
@@ -122,6 +126,43 @@ def plan_kept(*, every_node_stable: bool, every_region_served: bool, dynamic: bo
     if dynamic and compiling and every_region_served and eager_nodes_follow_floats:
         return Kept.WHILE_FLOATS_CHANGE
     return Kept.NOT
+
+
+# -- a loop's step: where a segment is cut (period.py finds the period and matches it) -------------
+
+class NoPeriod(enum.Enum):
+    """Why a search found no step in a segment: it is recorded on, searched again at twice its
+    length, and flushed where it would be without a step finder (a read, the size bound)."""
+    NO_REPEAT = "no stretch of ops repeats twice"
+    TOO_LITTLE = "its repeating stretch covers less than half of the segment"
+
+    def __str__(self) -> str:
+        return f"no period: {self.value}"
+
+
+class StepAction(enum.Enum):
+    RECORD = "record on"
+    SEARCH = "search the segment so far for its period"
+    CUT = "flush the segment: a step ends with this op"
+    CUT_EAGER = "flush the segment, its ops eagerly: it ends the step the search found the segment in"
+    LEARN = "flush the segment, its ops eagerly (compiled mode would compile steps at once): " \
+            "its period was found, the steps after it are cut"
+
+
+def step_action(*, step_ends: bool, rest_of_found_step: bool, length: int, search_at: int) -> StepAction:
+    """What the runtime does after recording an op. A step the matcher sees end is cut off as a
+    segment: the first one after a search runs eagerly, as it holds what is left of the step the
+    search stopped in (the segment before it held the rest); a segment that grows to `search_at`
+    ops without a step ending is searched (period.find_period)."""
+    if step_ends:
+        return StepAction.CUT_EAGER if rest_of_found_step else StepAction.CUT
+    return StepAction.SEARCH if length >= search_at else StepAction.RECORD
+
+
+def after_search(found_period: bool) -> StepAction:
+    """A period found: the segment searched is flushed (eagerly) and the steps after it are cut.
+    None: the segment is recorded on, and searched again at twice its length."""
+    return StepAction.LEARN if found_period else StepAction.RECORD
 
 
 # -- a region at a flush: its state, the decision, the action ----------------------------------

@@ -1,7 +1,8 @@
 """The engine's runtime: what to do with each op, and what to do with a segment at a flush.
 
 Per op (`dispatch`): record it lazily, or, when it reads data or its outputs' shapes depend on data,
-flush and run it eagerly; random ops run at once so random numbers come in eager's order.
+flush and run it eagerly; random ops run at once so random numbers come in eager's order. Where
+the loop's step ends (period.StepFinder), the segment is flushed, so each step is a segment.
 
 Per flush, the whole policy:
     segment seen before with every node stable and compiled -> replay its plan (guards first)
@@ -31,11 +32,12 @@ from . import analysis, events, interrupts, scalars
 from .memory import EngineMemory
 from .analysis import NodeStep
 from .regions import RegionStep, describe, needed_values
-from .policy import (Kept, Mode, Reason, Settings, Why, copies_to_host, draws_random, is_dynamic, is_settling,
+from .policy import (Kept, Mode, Reason, Settings, StepAction, Why, copies_to_host, draws_random, is_dynamic, is_settling,
                      plan_kept, runs_now, shape_reads_data, stable_after)
 from .compiler_calls import on_compiler_thread
 from .compiling import RegionCompiler
 from .generic import GenericSites
+from .period import StepFinder
 from .plans import CachedPlans, count_eager
 from .steps import StepRunner, Unfinished, every_node
 from .segment import OtherCore, Segment, Unrecordable
@@ -50,6 +52,10 @@ SETTINGS_CHANGE = "an op of another engine block"
 # has dropped too: where eager would have freed them, an op whose output does not fit computes
 # the segment first (which frees them) and is recorded again.
 OUT_OF_MEMORY = "device memory full of buffers the segment holds"
+# A loop's step found in the op stream ends (period.py): flushed as one segment, which recurs.
+STEP_END = "a step of the loop ends"
+# The search that found the step, and the rest of the step it stopped in, run eagerly (policy.StepAction).
+STEP_FOUND = "the loop's step found"
 
 
 class OpInfo(NamedTuple):
@@ -99,6 +105,7 @@ class Runtime:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
         self.flush("caches reset")
         self.memory.reset()
+        self.steps = StepFinder(self.stats)  # the step it found is forgotten too
         self._op_info: dict[int, OpInfo] = {}  # id(func) -> what dispatch needs to know of it
 
     # -- per op ---------------------------------------------------------------------------------
@@ -164,7 +171,11 @@ class Runtime:
                         self._tracing_since = time.perf_counter()
                         DEVICE.lazy_pending = True
                         self._collector.start()
-                    if len(self.segment.nodes) >= settings.max_segment_ops:
+                    action = self.steps.after_record(self.segment, settings.step_search_ops)
+                    if action is not StepAction.RECORD:
+                        self.flush(STEP_END if action is StepAction.CUT else STEP_FOUND,
+                                   eagerly=action is not StepAction.CUT)
+                    elif len(self.segment.nodes) >= settings.max_segment_ops:
                         self.flush("segment size bound")
                     return result
             return self._eagerly(func, args, kwargs, reason)
@@ -279,7 +290,9 @@ class Runtime:
         return out, self.dispatch(aten._to_copy.default, (mask,), {"dtype": torch.bool}, settings)
 
     # -- per flush ------------------------------------------------------------------------------
-    def flush(self, reason: str) -> None:
+    def flush(self, reason: str, eagerly: bool = False) -> None:
+        """Compute what is recorded: the segment planned (regions compiled or replayed), or
+        `eagerly`, op by op with no analysis."""
         if on_compiler_thread():  # a device tensor among a region's host buffers: a bug, not a hang
             raise CompileError("the compiler met a device tensor where it traces host buffers")
         with self.lock:
@@ -290,11 +303,11 @@ class Runtime:
             # _flushing set (no later flush ran).
             try:
                 with interrupts.deferred(), outside_tracers():
-                    self._flush(reason)
+                    self._flush(reason, eagerly)
             finally:
                 self._collector.end()  # the segment's nodes are freed by now
 
-    def _flush(self, reason: str) -> None:
+    def _flush(self, reason: str, eagerly: bool) -> None:
         segment = self.segment
         self.segment = Segment()
         self._flushing = True
@@ -303,7 +316,7 @@ class Runtime:
         if segment.nodes:
             self.stats.segments += 1
             self.stats.flush_reasons[reason] += 1
-            self.unfinished.append(Unfinished(segment, None))
+            self.unfinished.append(Unfinished(segment, every_node(segment) if eagerly else None))
         try:
             self._drain()
         finally:

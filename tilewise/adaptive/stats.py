@@ -28,6 +28,29 @@ class RegionStats:
     refused: list = field(default_factory=list)
 
 
+@dataclass
+class StepStats:
+    """The step finder's work (period.py): the step it found last, in ops; the segments it cut at a
+    step's end (each one step: a segment flushed by a read or the size bound is counted in
+    `flush_reasons` instead); its searches that found a period, the ops of the segments they
+    searched (run eagerly), and those that found none, by reason."""
+    period: int | None = None
+    cuts: int = 0
+    found: int = 0
+    searched_ops: int = 0
+    no_period: collections.Counter = field(default_factory=collections.Counter)
+
+    def to_dict(self) -> dict:
+        return {"period": self.period, "cuts": self.cuts, "found": self.found, "searched_ops": self.searched_ops,
+                "no_period": {str(reason): n for reason, n in self.no_period.items()}}
+
+    def report(self) -> str:
+        found = f"period {self.period} ops, found {self.found}x ({self.searched_ops} ops searched, run eagerly)" \
+            if self.found else "no period found"
+        missed = "".join(f"; {reason} x{n}" for reason, n in self.no_period.most_common())
+        return f"  step finder: {found}; {self.cuts} segments cut at a step's end (one step each){missed}"
+
+
 class Stats:
     def __init__(self):
         # Set by the runtime: name -> CacheSize of each engine cache (entries, limit, evictions).
@@ -69,6 +92,7 @@ class Stats:
         self.fallbacks: collections.Counter = collections.Counter()      # (op, reason) -> count
         self.fallback_sources: dict = {}                                 # (op, reason) -> "file:line"
         self.flush_reasons: collections.Counter = collections.Counter()
+        self.steps = StepStats()
         self.regions: dict[str, RegionStats] = {}
         self._device_start = DEVICE.busy()  # summed over the NeuronCores
         self._collectives_start = COLLECTIVES.snapshot()
@@ -170,7 +194,7 @@ class Stats:
             "fallbacks": [{"op": op, "reason": reason, "count": n,
                            "source": self.fallback_sources.get((op, reason))}
                           for (op, reason), n in self.fallbacks.most_common()],
-            "flush_reasons": dict(self.flush_reasons),
+            "flush_reasons": dict(self.flush_reasons), "steps": self.steps.to_dict(),
             "simulated_seconds": self.simulated_seconds, "hbm_bytes": self.hbm_bytes,
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
             "collectives": {kind: vars(t).copy() for kind, t in self.collectives.items()},
@@ -195,6 +219,7 @@ class Stats:
             f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
+            self.steps.report(),
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
         ]
