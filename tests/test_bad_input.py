@@ -32,6 +32,8 @@ BAD_VALUES = {
     "host_backend": ["fast", "", 3, None, "cuda", ["native"]],
     "background_compile": ["yes", "", 1, True, None, ["on"]],
     "cores": [0, -2, 1.5, "8", float("nan")],
+    "verify_ir": ["yes", "", 1, True, None, ["on"]],
+    "attention_kernel": ["fast", "", 1, None, "cuda", ["flash"]],
 }
 # What the message must name: the allowed values, or the bound.
 ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_dir": "directory path",
@@ -40,7 +42,8 @@ ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_d
            "step_search_ops": ">= 0",
            "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
-           "host_backend": "native, torch", "background_compile": "on, off", "cores": ">= 1"}
+           "host_backend": "native, torch", "background_compile": "on, off", "cores": ">= 1",
+           "verify_ir": "on, off", "attention_kernel": "cpu, flash"}
 
 
 def test_every_setting_has_bad_values_listed():
