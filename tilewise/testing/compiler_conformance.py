@@ -135,12 +135,13 @@ def check(fn, inputs, kernels=None, atol=1e-5, rtol=1e-4):
     expected = fn(*eager_in)
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     got, tiles = compiled.run(*run_in), compiled.interpret(*tile_in)
-    assert len(got) == len(expected) == len(tiles)
+    _expect(len(got) == len(expected) == len(tiles),
+             f"outputs: {len(got)} run, {len(tiles)} interpreted, {len(expected)} eager")
     for e, g, t in zip(expected, got, tiles):
         if e is None:
-            assert g is None and t is None
+            _expect(g is None and t is None, "an output eager returns as None is not None compiled")
             continue
-        assert g.dtype == e.dtype and g.shape == e.shape
+        _expect(g.dtype == e.dtype and g.shape == e.shape, f"{g.dtype} {tuple(g.shape)} != eager's {e.dtype} {tuple(e.shape)}")
         torch.testing.assert_close(g, e, atol=atol, rtol=rtol)
         torch.testing.assert_close(t, g, atol=atol, rtol=rtol)
     for e, g, t in zip(eager_in, run_in, tile_in):  # in-place updates applied the same way
@@ -148,5 +149,11 @@ def check(fn, inputs, kernels=None, atol=1e-5, rtol=1e-4):
         torch.testing.assert_close(t, e, atol=atol, rtol=rtol)
     compiled.check_tile_limits()
     if kernels is not None:
-        assert len(compiled.kernels) == kernels, compiled
+        _expect(len(compiled.kernels) == kernels, f"{len(compiled.kernels)} kernels, expected {kernels}:\n{compiled}")
     return compiled
+
+
+def _expect(holds: bool, message: str) -> None:
+    """A failed check of the harness (raised under python -O too, unlike an assert statement)."""
+    if not holds:
+        raise AssertionError(message)
