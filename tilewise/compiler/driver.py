@@ -1,6 +1,7 @@
 """The compiler driver: the passes in order, and the CompiledRegion they produce."""
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -208,7 +209,12 @@ def _host_target(target):
 
 def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
     """Run the decomposed graph once on zeros shaped as the example inputs (smoke_run). Skipped
-    for fake, meta and symbolic inputs (tracing-time compiles)."""
+    for fake, meta and symbolic inputs (tracing-time compiles), and where the host never runs the
+    decomposed graph: a region recording an op whose decomposition rounds otherwise has no C tier,
+    whose executable is the decomposed graph with C kernels in it (a training step holding
+    `nn.Linear`, softmax or layer norm: the run would cost more than a step)."""
+    if compiled.rounds_otherwise:
+        return
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return
@@ -227,8 +233,9 @@ def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, 
     Zeros are values no program computed: an Adam step at step 0 divides by its bias correction,
     1 - beta ** 0, and a spatial transformer's parameters became NaN, then its sampling grid, and
     CPU's grid_sampler_2d_backward indexes memory by a NaN coordinate (a segfault: the compiler
-    thread took the process down). Each node's non-finite results are made zero before the next
-    node reads them (`_FiniteRun`): the run checks that the ops run, not what they compute."""
+    thread took the process down). Non-finite values are made zero before an op that might read
+    them as more than numbers reads them (`_FiniteRun`): the run checks that the ops run, not
+    what they compute."""
     from ..errors import CompileError
 
     def zeros():
@@ -248,16 +255,62 @@ def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, 
 
 
 class _FiniteRun(torch.fx.Interpreter):
-    """The graph run node by node, a result holding NaN or infinities replaced by a copy holding
-    zeros there (a copy: the result may be an expanded view, and a later in-place op writes it).
-    With `__torch_function__` off, as a bound graph's forward runs (bindings.py)."""
+    """The graph run node by node; before a node whose op is not `_nan_safe` runs, each of its
+    floating inputs holding NaN or infinities is replaced, for it and every later reader, by a
+    copy holding zeros there (a copy: the value may be an expanded view, and a later in-place op
+    writes it). With `__torch_function__` off, as a bound graph's forward runs (bindings.py).
+    Checking inputs of the few ops that need it, not every result, keeps the run's cost that of
+    the graph's own ops (an optimizer region over every parameter of a model is elementwise)."""
 
     def run(self, *args):
         with torch._C.DisableTorchFunction():
             return super().run(*args)
 
     def run_node(self, node: torch.fx.Node):
-        return torch.fx.node.map_aggregate(super().run_node(node), _finite)
+        if node.op == "call_function" and not self._nan_safe(node):
+            for read in node.all_input_nodes:
+                self.env[read] = torch.fx.node.map_aggregate(self.env[read], _finite)
+        return super().run_node(node)
+
+    def _nan_safe(self, node: torch.fx.Node) -> bool:
+        """Whether the node's op reads its floating inputs only as numbers (NaN in, NaN or a number
+        out, never an address, a size or an integer): elementwise and reducing ops, views, matmuls,
+        clones, factories that read only a tensor's metadata, the foreach ops (elementwise over
+        lists), softmax and layer norm, and conversions and copies to a floating dtype."""
+        target = node.target
+        if target in _CONVERSIONS:
+            return _floating(_CONVERSIONS[target](node, self.env))
+        if target is operator.getitem or target in _NAN_SAFE:
+            return True
+        if not isinstance(target, torch._ops.OpOverload):
+            return False
+        if target.namespace == "prims" or target.__name__.startswith("_foreach_") \
+                or torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags:
+            return True
+        returns = target._schema.returns
+        return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+_NAN_SAFE = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "bmm", "addmm", "baddbmm", "clone", "cat", "stack", "_softmax", "_log_softmax",
+    "_softmax_backward_data", "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward",
+    "full_like", "zeros_like", "ones_like", "empty_like"))
+# The dtype each conversion's result takes (NaN converted to an integer is any integer).
+_CONVERSIONS = {
+    torch.ops.aten.copy.default: lambda node, env: _dtype(env, node.args[0]),
+    torch.ops.aten.copy_.default: lambda node, env: _dtype(env, node.args[0]),
+    torch.ops.aten._to_copy.default: lambda node, env: node.kwargs.get("dtype") or _dtype(env, node.args[0]),
+    torch.ops.prims.convert_element_type.default: lambda node, env: node.args[1],
+}
+
+
+def _dtype(env: dict, arg) -> torch.dtype | None:
+    value = env.get(arg) if isinstance(arg, torch.fx.Node) else arg
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _floating(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
 
 
 def _finite(value):
@@ -270,5 +323,6 @@ def _finite(value):
 def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:
     """Zeros with the input's size, strides and storage offset. Zeros, not a copy: the inputs of a
     region compiled before it runs may not be computed yet, and zero is a valid index anywhere."""
-    base = torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype)
+    extent = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride())) + 1
+    base = torch.zeros(extent if t.numel() else t.storage_offset(), dtype=t.dtype)
     return base.as_strided(t.size(), t.stride(), t.storage_offset())

@@ -20,6 +20,7 @@ PyTorch executable for it.
 """
 from __future__ import annotations
 
+import collections
 import re
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from ..ir.tile_ir import Kernel, Ops, TileOp
 
 # A buffer's row inside a partition loop, `name[p * pitch...`, and a statement writing it first (to
 # its whole row or element by element); compiled once, the name and pitch compared per buffer.
+_INDEXED = re.compile(r"\b(\w+)\[")  # a name indexed as an array
 _ROW_INDEX = re.compile(r"\b(\w+)\[p \* (\d+)\b")
 _ROW_WRITE = re.compile(r"\b(\w+)\[p \* (\d+)(?: \+ f)?\] = ")
 
@@ -176,9 +178,12 @@ class KernelWriter:
         """Each buffer as a static array: a whole tile, or one row where the tile is a value of one
         partition loop that writes it before reading it (each partition's row is dead once the loop
         moves on), so the chain of a fused kernel's values stays in L1."""
-        declared = []
+        declared, lines_using = [], collections.defaultdict(list)
+        for i, line in enumerate(self.lines):
+            for used in dict.fromkeys(_INDEXED.findall(line)):
+                lines_using[used].append(i)
         for ctype, name, rows, cols in self.declared:
-            uses = [i for i, line in enumerate(self.lines) if f"{name}[" in line]
+            uses = lines_using[name]
             run = next((r for r in self.runs if uses and uses[0] in r and uses[-1] in r), None)
             row = (name, str(cols))
             if run is not None and rows > 1 and any(m.groups() == row for m in _ROW_WRITE.finditer(self.lines[uses[0]])):
@@ -211,15 +216,17 @@ class KernelWriter:
             getattr(self, f"op_{op.op.value}")(op)
         self.flush()
         params = ", ".join([f"int64_t {a.hbm}_addr" for a in self.args.values()])
-        pointers = [f"  {'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *{a.hbm} = "
-                    f"({'const ' if a in self.inputs() else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
+        inputs = self.inputs()
+        pointers = [f"  {'const ' if a in inputs else ''}{c_type(a.ref.dtype)} *{a.hbm} = "
+                    f"({'const ' if a in inputs else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
                     for a in self.args.values()]
         return "\n".join([f"/* kernel {self.kernel.name} ({self.kernel.kind}) */",
                           f"int {self.symbol}({params or 'void'}) {{", *self.declarations(), *pointers, *self.lines,
                           "  return 0;", "}"])
 
-    def inputs(self) -> list[HbmArg]:
-        return [a for name, a in self.args.items() if name in self.kernel.inputs]
+    def inputs(self) -> set[HbmArg]:
+        names = set(self.kernel.inputs)
+        return {a for name, a in self.args.items() if name in names}
 
     def op_range(self, op: TileOp) -> None:
         var, extent, step = op.arg
