@@ -1,9 +1,11 @@
-"""The compile-time smoke run (compiler/driver.py): the decomposed graph run once on zeros laid
-out as the example inputs, its cost that of the graph's own ops."""
+"""The smoke run (compiler/driver.py): the decomposed graph run once on zeros laid out as the
+example inputs as the C tier's build begins, its cost that of the graph's own ops."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import tilewise
 from tilewise.compiler import compile_graph, driver
 from tilewise.device.spec import TRN2
 
@@ -43,36 +45,59 @@ def test_a_grid_sampler_reads_zeros_where_the_run_made_nan():
 def test_zeros_for_a_view_cover_the_view_not_its_whole_storage():
     big = torch.randn(1000, 64)
     view = big[10:12, 8:16]
-    zeros = driver._zeros_like_layout(view)
+    (layout,) = driver.input_layouts([view])
+    zeros = layout.zeros()
     assert (zeros.shape, zeros.stride(), zeros.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
     assert zeros.untyped_storage().nbytes() == (10 * 64 + 64 + 16) * 4
     assert not zeros.any()
-    empty = driver._zeros_like_layout(big[3:3])
-    assert empty.numel() == 0 and empty.storage_offset() == big[3:3].storage_offset()
+    (empty,) = driver.input_layouts([big[3:3]])
+    assert empty.zeros().numel() == 0 and empty.zeros().storage_offset() == big[3:3].storage_offset()
 
 
-def _compiled_with_smoke_runs(fn, inputs, monkeypatch):
+def _smoke_runs_of(fn, inputs, monkeypatch) -> tuple:
+    """The smoke runs while a region of `fn` compiles, runs until its C tier's build is done."""
     runs = []
+    real = driver.smoke_run
 
     def counted(*args):
         runs.append(args[-1])
-        return True
+        return real(*args)
 
     monkeypatch.setattr(driver, "smoke_run", counted)
-    compiled = compile_graph(_traced(fn, *inputs), inputs, spec=TRN2, name="smoke")
-    return compiled, runs
+    with tilewise.config.patch(host_backend="native"):
+        compiled = compile_graph(_traced(fn, *inputs), inputs, spec=TRN2, name="smoke", native_after_runs=1)
+        compiling = list(runs)
+        for _ in range(2):
+            got = compiled.run(*inputs)
+        tier = compiled.wait_native(60)
+    return compiled, compiling, runs, tier, got
 
 
-def test_the_smoke_run_runs_where_the_host_may_run_the_decomposed_graph(monkeypatch):
+def test_the_smoke_run_runs_as_the_c_tier_is_built_not_in_the_compile(monkeypatch):
     inputs = [torch.randn(8, 16), torch.randn(8, 16)]
-    compiled, runs = _compiled_with_smoke_runs(lambda x, y: (x * y + 1,), inputs, monkeypatch)
-    assert runs == ["compiled"] and not compiled.rounds_otherwise and compiled.kernels
+    compiled, compiling, runs, tier, got = _smoke_runs_of(lambda x, y: (x * y + 1,), inputs, monkeypatch)
+    assert compiling == [] and runs == ["compiled"] and tier.value in ("native", "slower"), compiled.native_failure
+    assert torch.equal(got[0], inputs[0] * inputs[1] + 1)
 
 
 def test_no_smoke_run_where_the_host_never_runs_the_decomposed_graph(monkeypatch):
     """A region recording addmm (an `nn.Linear` with bias) keeps CPU's kernels whole: no C tier, so
     the decomposed graph never runs on the host, and running it on zeros would cost a step."""
     inputs = [torch.randn(8, 16), torch.randn(4, 16), torch.randn(4)]
-    compiled, runs = _compiled_with_smoke_runs(lambda x, w, b: (F.linear(x, w, b).relu(),), inputs, monkeypatch)
-    assert runs == [] and compiled.rounds_otherwise and compiled.kernels
-    assert torch.equal(compiled.run(*inputs)[0], F.linear(*inputs).relu())
+    compiled, _, runs, tier, got = _smoke_runs_of(lambda x, w, b: (F.linear(x, w, b).relu(),), inputs, monkeypatch)
+    assert runs == [] and compiled.rounds_otherwise and compiled.kernels and tier.value == "torch"
+    assert torch.equal(got[0], F.linear(*inputs).relu())
+
+
+def test_a_decomposition_that_fails_on_zeros_builds_no_c_and_says_so():
+    """PyTorch's log_softmax of an empty int64 tensor makes full(-inf, dtype=int64), which raises
+    on the CPU; the recorded op does not. The region runs its recorded graph, warned once."""
+    x = torch.zeros(1, 0, 1, dtype=torch.int64)
+    fn = lambda x, y: (torch.log_softmax(x, dim=1), y * 2 + 1)  # noqa: E731
+    inputs = [x, torch.randn(8, 16)]
+    compiled = compile_graph(_traced(fn, *inputs), inputs, spec=TRN2, name="smoke", native_after_runs=1)
+    with tilewise.config.patch(host_backend="native"), pytest.warns(RuntimeWarning, match="C is not built"):
+        for _ in range(2):
+            got = compiled.run(*inputs)
+        assert compiled.wait_native(60).value == "failed"
+    assert all(torch.equal(g, e) for g, e in zip(got, fn(*inputs)))

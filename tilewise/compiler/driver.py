@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 import time
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,7 +27,7 @@ from .passes.partition import partition
 from .ir.region import Region
 from .passes.schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-7"  # bumped when a pass computes differently: older disk entries are not used
+COMPILER_VERSION = "tilewise-compiler-8"  # bumped when a pass computes differently: older disk entries are not used
 
 # The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
 # example inputs travel in it).
@@ -53,7 +54,8 @@ class CompiledRegion:
     generates its C then, on the thread that builds it)."""
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, launches, native: Later[NativeProgram], cost, refused,
-                 passes_text, compile_seconds: float, spec: DeviceSpec, source: torch.fx.GraphModule):
+                 passes_text, compile_seconds: float, spec: DeviceSpec, source: torch.fx.GraphModule,
+                 layouts: tuple | None = None):
         self.name, self.gm, self.spec = name, gm, spec
         self.launches = list(launches)
         self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
@@ -63,7 +65,8 @@ class CompiledRegion:
         self.passes_text = list(passes_text)
         self.compile_seconds = compile_seconds
         self.source = source
-        self._host = HostExecutable(gm, native, source)
+        self._layouts = layouts
+        self._host = HostExecutable(gm, native, source, self.check_decomposition)
         self.unchecked = False
         # recorded ops whose decomposition rounds otherwise than CPU's kernel: no C (decompose.py)
         self.rounds_otherwise = source.meta.get(ROUNDS_OTHERWISE, ())
@@ -85,9 +88,23 @@ class CompiledRegion:
         """The decomposed graph on PyTorch, whatever the tier (the reference the native one is held to)."""
         return self._host.torch_forward(*inputs)
 
+    def check_decomposition(self) -> bool:
+        """Run the decomposed graph once on zeros laid out as the example inputs (`smoke_run`),
+        as the C tier's build begins: its executable is the decomposed graph with C kernels in it,
+        and nothing else on the host runs that graph. True: it ran (or there is nothing to run it
+        on: a tracing-time compile); False: the zeros are what the program's own ops refuse, and
+        the region keeps its recorded graph. Raises CompileError where the decomposition fails
+        and the recorded ops do not."""
+        if self._layouts is None:
+            return True
+        if not smoke_run(self.gm, self.source, self._layouts, "compiled"):
+            self.keep_recorded_graph()
+            return False
+        return True
+
     def keep_recorded_graph(self) -> None:
         """Never build the C tier: the decomposed graph it is made of is unchecked (the smoke run
-        said nothing of it). Kept with the entry in the disk cache and over the compile process's wire."""
+        said nothing of it)."""
         self.unchecked = True
         self._host.buildable = False
 
@@ -165,8 +182,8 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
     region, texts = run_passes(gm, example_inputs, spec, name)
     compiled = CompiledRegion(name, region.gm, region.launches, Later.made(region.native), region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
-                              time.perf_counter() - start, spec, source_graph(gm, example_inputs))
-    _smoke_run(compiled, example_inputs)
+                              time.perf_counter() - start, spec, source_graph(gm, example_inputs),
+                              input_layouts(example_inputs))
     return compiled
 
 
@@ -207,26 +224,39 @@ def _host_target(target):
     return op_or_composite
 
 
-def _smoke_run(compiled: CompiledRegion, example_inputs) -> None:
-    """Run the decomposed graph once on zeros shaped as the example inputs (smoke_run). Skipped
-    for fake, meta and symbolic inputs (tracing-time compiles), and where the host never runs the
-    decomposed graph: a region recording an op whose decomposition rounds otherwise has no C tier,
-    whose executable is the decomposed graph with C kernels in it (a training step holding
-    `nn.Linear`, softmax or layer norm: the run would cost more than a step)."""
-    if compiled.rounds_otherwise:
-        return
+class InputLayout(NamedTuple):
+    """A tensor input as the smoke run remakes it (its zeros), without holding the tensor."""
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+    def zeros(self) -> torch.Tensor:
+        """Zeros with the input's size, strides and storage offset, in storage that covers the
+        view (not the whole storage it may be a view of). Zeros, not a copy: the inputs of a region
+        compiled before it runs may not be computed yet, and zero is a valid index anywhere."""
+        extent = self.offset + sum((size - 1) * stride for size, stride in zip(self.size, self.stride)) + 1
+        base = torch.zeros(extent if all(self.size) else self.offset, dtype=self.dtype)
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+def input_layouts(example_inputs) -> tuple | None:
+    """The example inputs as the smoke run takes them: a layout per tensor, numbers as they are;
+    None for fake, meta and symbolic inputs (a tracing-time compile: nothing to run)."""
     if not all(type(t) is torch.Tensor and t.device.type == "cpu" if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
-        return
-    if not smoke_run(compiled.gm, compiled.source, example_inputs, "compiled"):
-        compiled.keep_recorded_graph()
+        return None
+    return tuple(InputLayout(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+                 if isinstance(t, torch.Tensor) else t for t in example_inputs)
 
 
-def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, example_inputs, kind: str) -> bool:
-    """Run the decomposed graph once on zeros of the example inputs' layout: a decomposition that
-    cannot run for these shapes and dtypes (PyTorch's log_softmax of an empty int64 tensor makes a
-    full(-inf, dtype=int64)) is a compile failure, which callers handle, not a failure later at a
-    cache hit. Unless the recorded ops fail on those zeros too: then the zeros are what the
+def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, layouts: tuple | None,
+              kind: str) -> bool:
+    """Run the decomposed graph once on zeros of the example inputs' layouts (`input_layouts`;
+    None: nothing to run, True): a decomposition that cannot run for these shapes and dtypes
+    (PyTorch's log_softmax of an empty int64 tensor makes a full(-inf, dtype=int64)) raises
+    CompileError, which callers handle, not a failure later in a run. Unless the recorded ops
+    fail on those zeros too: then the zeros are what the
     program's own ops refuse (lu_solve's pivots are at least 1; a linalg.solve step's backward
     failed to compile), and the run says nothing of the decomposition: False (True: it ran).
 
@@ -238,8 +268,11 @@ def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, 
     what they compute."""
     from ..errors import CompileError
 
+    if layouts is None:
+        return True
+
     def zeros():
-        return [_zeros_like_layout(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        return [value.zeros() if isinstance(value, InputLayout) else value for value in layouts]
 
     try:
         _FiniteRun(decomposed).run(*zeros())
@@ -318,11 +351,3 @@ def _finite(value):
             and not bool(value.isfinite().all()):
         return torch.nan_to_num(value, 0.0, 0.0, 0.0)
     return value
-
-
-def _zeros_like_layout(t: torch.Tensor) -> torch.Tensor:
-    """Zeros with the input's size, strides and storage offset. Zeros, not a copy: the inputs of a
-    region compiled before it runs may not be computed yet, and zero is a valid index anywhere."""
-    extent = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride())) + 1
-    base = torch.zeros(extent if t.numel() else t.storage_offset(), dtype=t.dtype)
-    return base.as_strided(t.size(), t.stride(), t.storage_offset())

@@ -9,10 +9,10 @@ scripts/compiler_opinfo_sweep.py (every op). A sample's outcome is one of:
   EAGER_ONLY  the engine never compiles it: a data-dependent op (make_fx cannot trace a read of
               data, an output shape that depends on it), a random op (drawn eagerly, in eager's
               order) or an uninitialised allocation (`empty`: its values are garbage)
-  NEEDS_DATA  compiling refuses it: the compile-time smoke run on zeros fails for the decomposed
-              graph but not for the recorded ops, so the engine runs that region eagerly (where
-              the recorded ops refuse zeros too, a Cholesky of a zero matrix, lu_solve's zero
-              pivots, the region compiles and keeps its recorded graph)
+  NEEDS_DATA  the smoke run on zeros (`check_decomposition`, which the C tier's build runs first)
+              fails for the decomposed graph but not for the recorded ops, so the region keeps
+              its recorded graph and builds no C (as where the recorded ops refuse zeros too, a
+              Cholesky of a zero matrix, lu_solve's zero pivots)
 """
 from __future__ import annotations
 
@@ -78,13 +78,15 @@ def outcome(op, sample, native: bool = False) -> tuple[str, str]:
     try:
         compiled = compile_graph(gm, fresh(), spec=TRN2)
     except CompileError as error:
-        if "fails on its example inputs" in str(error):
-            return NEEDS_DATA, str(error).splitlines()[0]
         if "depends on data" in str(error):
             return EAGER_ONLY, str(error).splitlines()[0]
         return FAIL, f"CompileError: {str(error).splitlines()[0]}"
     except Exception as error:
         return FAIL, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    try:
+        compiled.check_decomposition()  # what the C tier's build runs first
+    except CompileError as error:
+        return NEEDS_DATA, str(error).splitlines()[0]
     runs = [("run", compiled.run), ("interpret", compiled.interpret)]
     if native:
         compiled.start_native()

@@ -28,7 +28,7 @@ from ...config import config
 from ...errors import CompileError
 from ..passes.cost import LaunchCost
 from .disk import ENTRY_SUFFIX, Disk, open_disk, read_signed, stats, warn_once, write_signed
-from ..driver import COMPILER_VERSION, CompiledRegion, compile_uncached, source_graph
+from ..driver import COMPILER_VERSION, CompiledRegion, compile_uncached, input_layouts, source_graph
 from ..native.later import Later
 from ..native.build import generate
 from .serialize import encode, graph_from_json, graph_to_json, launch_from_json, launch_to_json, unstorable_ops
@@ -165,7 +165,7 @@ def entry_payload(key: str, compiled: CompiledRegion) -> bytes:
         "key": key, "version": COMPILER_VERSION, "name": compiled.name, "graph": graph_to_json(compiled.gm),
         "launches": [launch_to_json(launch) for launch in compiled.launches], "cost": compiled.cost,
         "refused": compiled.refused, "passes": compiled.passes_text,
-        "compile_seconds": compiled.compile_seconds, "unchecked": compiled.unchecked,
+        "compile_seconds": compiled.compile_seconds,
     }).encode()
 
 
@@ -217,9 +217,8 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, 
         compiled = CompiledRegion(_text(entry["name"]), gm, launches, Later(functools.partial(generate, launches)),
                                   [cost_from_json(c) for c in entry["cost"]],
                                   [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
-                                  float(entry["compile_seconds"]), spec, source_graph(source, example_inputs))
-        if entry.get("unchecked", False) is not False:  # absent from entries older than it: checked ones
-            compiled.keep_recorded_graph()
+                                  float(entry["compile_seconds"]), spec, source_graph(source, example_inputs),
+                                  input_layouts(example_inputs))
         return compiled
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None

@@ -43,7 +43,7 @@ from ...device.spec import DeviceSpec
 from ...errors import CompileError
 from ...reasons import Reason, Why
 from ..passes import decompose
-from ..driver import PASSES, smoke_run, source_graph
+from ..driver import PASSES, input_layouts, smoke_run, source_graph
 from .parametric import CONCRETE, Made, NotParametric, ParametricProgram, lower_parametric, output_layouts
 from ...graphs import reads_offsets
 from ..ir.region import Region, format_graph
@@ -227,7 +227,7 @@ def compile_generic(gm: torch.fx.GraphModule, example_inputs, dynamic: Dynamic, 
     generic = GenericRegion(name, traced, source, guards, _symbols_of(fakes), dynamic, spec, 0.0, limit)
     if not generic.admits(example_inputs):
         raise CompileError(f"{name}: the symbolic trace's guards reject the inputs it was traced for")
-    smoke_run(generic.gm, generic.source, example_inputs, "generic")
+    smoke_run(generic.gm, generic.source, input_layouts(example_inputs), "generic")
     generic.specialise(example_inputs)
     generic.compile_seconds = time.perf_counter() - started
     return generic

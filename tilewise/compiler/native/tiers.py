@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -64,9 +65,11 @@ class HostExecutable:
 
     Shared by every relabelled copy of a cached region, so one background build serves them all."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program: Later[NativeProgram], source: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, program: Later[NativeProgram], source: torch.fx.GraphModule,
+                 check: Callable[[], bool] = lambda: True):
         self.torch_forward = gm.forward  # the decomposed graph: the C's reference
         self.gm, self.program = gm, program
+        self.check = check  # runs the decomposed graph once before the C is built (CompiledRegion.check_decomposition)
         self.source_forward = source.forward
         self.forward = self.source_forward
         # there is C to build unless the kernels are known to have none (`program` already made)
@@ -161,6 +164,13 @@ class HostExecutable:
         _submit(self.ready, self.build_now)
 
     def build_now(self) -> None:
+        try:
+            if not self.check():  # the zeros' fault: the decomposed graph is unchecked, no C
+                self.buildable, self.tier = False, Tier.TORCH
+                return
+        except CompileError as error:
+            self._fail(f"tilewise: the region's C is not built: {error}; the region keeps its PyTorch executable")
+            return
         try:
             program = self.program()
         except Exception as error:  # noqa: BLE001 - whatever fails, the region runs on without C
