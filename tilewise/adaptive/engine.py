@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..config import config
 from ..device.runtime import DEVICE
@@ -10,7 +13,7 @@ from ..errors import ConfigError
 from .policy import Mode, Settings, compiles_in_background
 from .regions import CompiledEntry
 from .compiling import Compiling
-from .runtime import ENGINE_EXITED, Runtime
+from .runtime import ENGINE_EXITED, OPTIMIZER_STEP, Runtime
 from .stats import Stats
 from .tracer import Tracer
 
@@ -42,6 +45,7 @@ class engine:
         tracer = Tracer(RUNTIME, settings)
         tracer.__enter__()
         self._entered.append(tracer)
+        _OPTIMIZER_STEPS.watch()
         return RUNTIME.stats
 
     def __exit__(self, *exc_info) -> None:
@@ -49,10 +53,48 @@ class engine:
         try:
             RUNTIME.flush(ENGINE_EXITED)
         finally:
+            _OPTIMIZER_STEPS.unwatch()
             tracer.__exit__(*exc_info)
 
     def __repr__(self) -> str:
         return f"tilewise.engine(mode={self.mode.value!r}, threshold={self.threshold})"
+
+
+class _OptimizerSteps:
+    """An optimizer's step starts a segment of its own while an engine block is open (a global
+    optimizer pre-hook, registered while any block is open, in any thread). The step is where a
+    training step's graph changes between its first and second run (the optimizer creates its
+    state), so the forward and backward before it compile once, and only the optimizer's region
+    compiles again; and a loop that reads no value still records one step's optimizer, forward and
+    backward per segment, the unit that recurs."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.blocks = 0
+        self.handle = None
+
+    def watch(self) -> None:
+        with self.lock:
+            self.blocks += 1
+            if self.handle is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+                self.handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+    def unwatch(self) -> None:
+        with self.lock:
+            self.blocks -= 1
+            if not self.blocks and self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, Tracer) and mode.lazy:
+        RUNTIME.flush(OPTIMIZER_STEP)
+
+
+_OPTIMIZER_STEPS = _OptimizerSteps()
 
 
 def sync() -> None:

@@ -55,7 +55,7 @@ class _Loop:
     """Builds the body of one tile loop over a group's (rows, cols) domain."""
 
     def __init__(self, group: Group, nodes: dict, spec: DeviceSpec, free: int, suffix: str, kernel_in: dict,
-                 kernel_out: dict):
+                 kernel_out: dict, input_names: dict):
         self.group, self.nodes, self.spec, self.free = group, nodes, spec, free
         self.r, self.c, self.b = f"r{suffix}", f"c{suffix}", f"b{suffix}"
         self.inside = set(group.nodes)
@@ -63,6 +63,7 @@ class _Loop:
         self.env: dict[str, TileOp] = {}
         self.loads = SizedMap()  # (value, view) -> its tile: views may hold symbolic sizes
         self.kernel_in, self.kernel_out = kernel_in, kernel_out
+        self.input_names = input_names  # kernel_in inverted: HbmRef -> its name (the hashable ones)
         rows, cols = group.domain
         self.rows_step = min(spec.partitions, spec.matmul_stationary_free) if group.kind == "matmul" \
             else spec.partitions
@@ -191,12 +192,19 @@ class _Loop:
 
     def hbm_in(self, value, view, rows_cols) -> str:
         ref = hbm_ref(value, rows_cols, view=view)
-        for name, known in self.kernel_in.items():
-            if known == ref:
-                return name
+        try:
+            known = self.input_names.get(ref)
+        except TypeError:  # a symbolic size hashes not: an optimizer's kernel has ~600 inputs, a generic one few
+            known = next((name for name, other in self.kernel_in.items() if other == ref), None)
+        if known is not None:
+            return known
         name = f"{value.name}_hbm" if f"{value.name}_hbm" not in self.kernel_in else \
             f"{value.name}_hbm{len(self.kernel_in)}"
         self.kernel_in[name] = ref
+        try:
+            self.input_names[ref] = name
+        except TypeError:
+            pass
         return name
 
     def store(self, node, tile: TileOp) -> None:
@@ -401,13 +409,13 @@ def lower_group(group: Group, nodes: dict, spec: DeviceSpec, free: int) -> Kerne
         return concat_kernel(group, nodes, spec, free)
     if group.kind == "scatter_add":
         return scatter_add_kernel(group, nodes, spec, free)
-    kernel_in, kernel_out, body = {}, {}, []
+    kernel_in, kernel_out, input_names, body = {}, {}, {}, []
     parts = group.parts or (group,)
     for index, part in enumerate(parts):
         suffix = str(index) if group.parts else ""
         part_free = part.domain[1] if part.kind == "reduction" else \
             min(free, psum_free_max(spec)) if part.kind == "matmul" else free
-        body += _Loop(part, nodes, spec, part_free, suffix, kernel_in, kernel_out).build()
+        body += _Loop(part, nodes, spec, part_free, suffix, kernel_in, kernel_out, input_names).build()
     return Kernel(name=group.name, kind=group.kind, nodes=group.nodes, inputs=kernel_in, outputs=kernel_out,
                   body=tuple(body))
 
