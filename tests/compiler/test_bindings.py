@@ -134,7 +134,9 @@ def test_a_compiled_regions_recorded_graph_is_bound_and_trains_as_cpu():
         got = train("neuron", tilewise.engine(mode="adaptive"))
     regions = list(cache._memory.values())
     assert regions and tilewise.stats().compiled_fraction > 0.5
-    assert all(any(map(is_binding, targets(r.source))) for r in regions)
+    # the optimizer's step is a region of its own (engine.py), of foreach ops, which have no binding
+    stepping = [r for r in regions if all("_foreach_" in str(t) for t in targets(r.source))]
+    assert len(stepping) == 1 and all(any(map(is_binding, targets(r.source))) for r in regions if r not in stepping)
     assert got[0] == expected[0]
     for g, e in zip(got[1], expected[1]):
         assert torch.equal(g, e)

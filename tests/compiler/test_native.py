@@ -191,6 +191,27 @@ def test_adamw_steps_on_native_regions_are_bitwise_cpus(monkeypatch):
         assert torch.equal(g, e), (g != e).sum()
 
 
+def test_a_kernel_over_more_tensors_than_a_c_call_takes_arguments_runs_in_c():
+    """An optimizer's step over every parameter of a model is one kernel (partition.py): GPT-2's
+    AdamW reads and writes 1332 tensors, past ctypes' 1024 arguments a call. The kernel takes their
+    addresses as one array."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(3 + i % 5, generator=generator) for i in range(600)]
+    grads = [torch.randn(p.shape, generator=generator) for p in params]
+
+    def sgd(*flat):
+        ps, gs = list(flat[:600]), list(flat[600:])
+        torch._foreach_add_(ps, gs, alpha=-0.1)
+        return ps
+
+    compiled = compiled_native(sgd, params + grads)
+    kernel_tensors = max(len(k.inputs) + len(k.outputs) for k in compiled.kernels)
+    assert kernel_tensors > 1024 and native_calls(compiled) >= 1
+    got = compiled.run(*[t.clone() for t in params + grads])
+    expected = sgd(*[t.clone() for t in params + grads])
+    assert len(got) == 600 and all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
 @pytest.mark.parametrize("fn", [
     lambda x: torch.tanh(x).exp() + torch.sin(x),
     lambda x: x * torch.erf(x * 0.7071067811865476) * x.amax(-1, keepdim=True),
@@ -487,7 +508,9 @@ def _traced(fn, inputs):
 def test_printed_region_and_explain_show_the_c_source():
     compiled = compile_graph(*_traced(lambda x: torch.exp(x) * 2, [torch.randn(4, 4)]), spec=TRN2)
     text = str(compiled)
-    assert "int tw_kernel_0(int64_t arg0_1_hbm_addr, int64_t mul_hbm_addr)" in text
+    assert "int tw_kernel_0(const int64_t *addresses)" in text
+    assert "const float *arg0_1_hbm = (const float *)(intptr_t)addresses[0];" in text
+    assert "float *mul_hbm = (float *)(intptr_t)addresses[1];" in text
     assert "vmsExp((int)" in text and "# native host code: 1 kernels in C" in text
     tilewise.reset_caches()
     x = torch.randn(4, 4, device="neuron")

@@ -303,7 +303,8 @@ class _KernelCall:
     def __init__(self, ckernel: CKernel, function, destinations: threading.local, returned: dict[str, int]):
         self.name = ckernel.name
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_int64] * (len(ckernel.inputs) + len(ckernel.outputs))
+        function.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        self.addresses = ctypes.c_int64 * (len(ckernel.inputs) + len(ckernel.outputs))
         self.function = function
         self.input_nodes = list(dict.fromkeys(a.ref.node for a in ckernel.inputs))
         self.output_nodes = list(dict.fromkeys(a.ref.node for a in ckernel.outputs))
@@ -320,7 +321,7 @@ class _KernelCall:
         held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
         outputs = self.given_or_fresh() if self.returned else [allocate() for allocate in self.allocations]
         addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
-        if self.function(*addresses) != 0:
+        if self.function(self.addresses(*addresses)) != 0:
             raise IndexOutOfRange(self.name)
         return tuple(outputs)
 

@@ -215,14 +215,16 @@ class KernelWriter:
         for op in self.kernel.body:
             getattr(self, f"op_{op.op.value}")(op)
         self.flush()
-        params = ", ".join([f"int64_t {a.hbm}_addr" for a in self.args.values()])
+        # the tensors' addresses come as one array, in the order of `args` (inputs, then outputs):
+        # a C function of one parameter per tensor met ctypes' limit of 1024 parameters in an
+        # optimizer's kernel over every parameter of GPT-2 (1332 tensors)
         inputs = self.inputs()
         pointers = [f"  {'const ' if a in inputs else ''}{c_type(a.ref.dtype)} *{a.hbm} = "
-                    f"({'const ' if a in inputs else ''}{c_type(a.ref.dtype)} *)(intptr_t){a.hbm}_addr;"
-                    for a in self.args.values()]
+                    f"({'const ' if a in inputs else ''}{c_type(a.ref.dtype)} *)(intptr_t)addresses[{i}];"
+                    for i, a in enumerate(self.args.values())]
         return "\n".join([f"/* kernel {self.kernel.name} ({self.kernel.kind}) */",
-                          f"int {self.symbol}({params or 'void'}) {{", *self.declarations(), *pointers, *self.lines,
-                          "  return 0;", "}"])
+                          f"int {self.symbol}(const int64_t *addresses) {{", *self.declarations(), *pointers,
+                          *self.lines, "  return 0;", "}"])
 
     def inputs(self) -> set[HbmArg]:
         names = set(self.kernel.inputs)
