@@ -18,7 +18,7 @@ def test_nan_reaches_an_integer_conversion_only_as_zero():
     """Zeros make 0 / 0: NaN converted to an integer is any integer (an address, for an index
     op). The conversion reads it as zero."""
     gm = _traced(lambda x: ((x / x).to(torch.int64),), torch.ones(4))
-    (got,) = driver._FiniteRun(gm).run(torch.zeros(4))
+    (got,) = driver._FiniteRun(gm).run(*driver.input_layouts([torch.ones(4)]))
     assert torch.equal(got, torch.zeros(4, dtype=torch.int64))
 
 
@@ -101,3 +101,34 @@ def test_a_decomposition_that_fails_on_zeros_builds_no_c_and_says_so():
             got = compiled.run(*inputs)
         assert compiled.wait_native(60).value == "failed"
     assert all(torch.equal(g, e) for g, e in zip(got, fn(*inputs)))
+
+
+def test_the_smoke_run_holds_one_parameters_zeros_at_a_time(monkeypatch):
+    """An optimizer's region reads every parameter, gradient and moment: the run makes an input's
+    zeros at its first reader and goes parameter by parameter, so it never holds them all (GPT-2
+    124M's AdamW region: 2 GB of zeros at once, on top of the training loop's memory)."""
+    import weakref
+    n = 40
+    params = [torch.randn(16, 8) for _ in range(n)]
+    grads = [torch.randn(16, 8) for _ in range(n)]
+    moments = [torch.randn(16, 8) for _ in range(n)]
+
+    def step(*flat):
+        ps, gs, ms = list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:])
+        torch._foreach_lerp_(ms, gs, 0.1)
+        torch._foreach_add_(ps, torch._foreach_sqrt(torch._foreach_abs(ms)), alpha=-0.01)
+
+    inputs = params + grads + moments
+    compiled = compile_graph(_traced(step, *[t.clone() for t in inputs]), inputs, spec=TRN2, name="smoke")
+    alive, most = weakref.WeakSet(), [0]
+    real = driver.InputLayout.zeros
+
+    def counted(layout):
+        zeros = real(layout)
+        alive.add(zeros)
+        most[0] = max(most[0], len(alive))
+        return zeros
+
+    monkeypatch.setattr(driver.InputLayout, "zeros", counted)
+    assert compiled.check_decomposition()
+    assert most[0] <= 6, most[0]  # of 120 inputs

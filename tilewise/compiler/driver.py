@@ -1,10 +1,12 @@
 """The compiler driver: the passes in order, and the CompiledRegion they produce."""
 from __future__ import annotations
 
+import copy
 import operator
 import time
 from typing import NamedTuple
 
+import networkx as nx
 import torch
 import torch.utils._pytree as pytree
 
@@ -20,6 +22,7 @@ from .ir.interpreter import interpret
 from .ir.verify import verify
 from .passes.lower import lower
 from .passes.memory_plan import check_launch_limits
+from .passes.order import contiguous_order
 from .native.later import Later
 from .native.build import NativeProgram
 from .native.tiers import HostExecutable, Tier
@@ -271,39 +274,60 @@ def smoke_run(decomposed: torch.fx.GraphModule, recorded: torch.fx.GraphModule, 
     if layouts is None:
         return True
 
-    def zeros():
-        return [value.zeros() if isinstance(value, InputLayout) else value for value in layouts]
-
     try:
-        _FiniteRun(decomposed).run(*zeros())
+        _FiniteRun(_parts_in_turn(decomposed)).run(*layouts)
         return True
     except Exception as error:  # noqa: BLE001
         failure = error
     try:
-        _FiniteRun(recorded).run(*zeros())
+        _FiniteRun(recorded).run(*layouts)
     except Exception:  # noqa: BLE001  (the zeros' fault, whatever the recorded ops raise)
         return False
     raise CompileError(f"the {kind} region fails on its example inputs: {type(failure).__name__}: "
                        f"{failure}") from failure
 
 
+def _parts_in_turn(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a decomposed graph with each connected part of its dataflow (inputs aside)
+    contiguous: an optimizer region's per-parameter updates run one parameter after another, not
+    one op over every parameter after another, so a run that makes each input's zeros at its first
+    reader holds one parameter's values at a time (order.py keeps write-backs after the readers
+    of what they overwrite)."""
+    parts = nx.Graph()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            parts.add_node(node.name)
+            parts.add_edges_from((arg.name, node.name) for arg in node.all_input_nodes if arg.op == "call_function")
+    unit_of = {name: f"part{index}" for index, part in enumerate(nx.connected_components(parts)) for name in part}
+    graph = copy.deepcopy(gm.graph)
+    graph.output_node().args = ((),)  # its results are not wanted: each value is freed after its last reader
+    return contiguous_order(torch.fx.GraphModule(gm, graph), unit_of)
+
+
 class _FiniteRun(torch.fx.Interpreter):
-    """The graph run node by node; before a node whose op is not `_nan_safe` runs, each of its
-    floating inputs holding NaN or infinities is replaced, for it and every later reader, by a
-    copy holding zeros there (a copy: the value may be an expanded view, and a later in-place op
-    writes it). With `__torch_function__` off, as a bound graph's forward runs (bindings.py).
-    Checking inputs of the few ops that need it, not every result, keeps the run's cost that of
-    the graph's own ops (an optimizer region over every parameter of a model is elementwise)."""
+    """The graph run node by node on InputLayouts: an input's zeros are made when a node first
+    reads it, and freed after its last reader as every value is, so the run holds what a step
+    holds, not every input at once (an optimizer's region: every parameter, gradient and moment).
+    Before a node whose op is not `_nan_safe` runs, each of its floating inputs holding NaN or
+    infinities is replaced, for it and every later reader, by a copy holding zeros there (a copy:
+    the value may be an expanded view, and a later in-place op writes it). With
+    `__torch_function__` off, as a bound graph's forward runs (bindings.py). Checking inputs of the
+    few ops that need it, not every result, keeps the run's cost that of the graph's own ops."""
 
     def run(self, *args):
         with torch._C.DisableTorchFunction():
             return super().run(*args)
 
     def run_node(self, node: torch.fx.Node):
+        for read in node.all_input_nodes:
+            if isinstance(self.env[read], InputLayout):
+                self.env[read] = self.env[read].zeros()
         if node.op == "call_function" and not self._nan_safe(node):
             for read in node.all_input_nodes:
                 self.env[read] = torch.fx.node.map_aggregate(self.env[read], _finite)
-        return super().run_node(node)
+        result = super().run_node(node)
+        # a value is freed after its last reader; one nobody reads (a write-back's) is dropped now
+        return None if node.op == "call_function" and not node.users else result
 
     def _nan_safe(self, node: torch.fx.Node) -> bool:
         """Whether the node's op reads its floating inputs only as numbers (NaN in, NaN or a number

@@ -21,7 +21,7 @@ import torch
 
 from ...config import config
 from ...errors import CompileError
-from ...host_threads import run_kernels_serially
+from ...host_threads import return_free_memory, run_kernels_serially
 from . import build as native
 from .later import Later
 from .build import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
@@ -147,6 +147,9 @@ class HostExecutable:
         self.trial = None
         if trial.best[self.source_forward] < trial.best[self.forward]:
             self.forward, self.tier = self.source_forward, Tier.SLOWER
+        # the trial ran two executables' allocations in turn on the program's thread: what its
+        # malloc arena kept of them (GPT-2 124M's optimizer region: 4 GB) goes back to the system
+        return_free_memory()
 
     def start(self) -> None:
         """Build the native executable in the background (tiered); without a C compiler, warn once
@@ -165,11 +168,14 @@ class HostExecutable:
 
     def build_now(self) -> None:
         try:
-            if not self.check():  # the zeros' fault: the decomposed graph is unchecked, no C
-                self.buildable, self.tier = False, Tier.TORCH
-                return
+            checked = self.check()
         except CompileError as error:
             self._fail(f"tilewise: the region's C is not built: {error}; the region keeps its PyTorch executable")
+            return
+        finally:
+            return_free_memory()  # the check's zeros and values, freed into this thread's arena
+        if not checked:  # the zeros' fault: the decomposed graph is unchecked, no C
+            self.buildable, self.tier = False, Tier.TORCH
             return
         try:
             program = self.program()
