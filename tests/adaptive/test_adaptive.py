@@ -455,11 +455,16 @@ def test_a_second_model_of_the_same_architecture_compiles_as_the_first():
     the next one, so the second model's region looked shape-generic; its compile failed and the
     whole step ran eagerly."""
     reference = WORKLOADS["gpt"]("cpu", "eager", steps=8)
+    compiles = []
     for _ in range(2):
         assert_same(reference, run("gpt", "adaptive", steps=8)[0], PARAM_ATOL["gpt"])
         stats = tilewise.stats()
-        assert stats.compiles == 1 and stats.compiled_fraction > 0.5, stats.report()
+        compiles.append(stats.compiles)
+        assert stats.compiled_fraction > 0.5, stats.report()
         assert not stats.fallbacks and stats.specialisations == 0, stats.report()
+    # the forward and backward, and the optimizer's step (a segment of its own: engine.py); the
+    # second model may replay the first one's plans
+    assert 1 <= compiles[1] <= compiles[0] <= 2, compiles
 
 
 def test_a_flush_from_the_program_replays_outside_the_engines_dispatch_mode(monkeypatch):

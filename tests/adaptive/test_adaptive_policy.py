@@ -404,7 +404,11 @@ def test_a_scheduled_learning_rate_of_a_fused_optimizer_enters_the_region_as_a_t
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
     stats = tilewise.stats()
     assert not stats.fallbacks, stats.report()
-    assert stats.compiles <= 2, stats.report()
+    # the step's two regions (forward and backward; the optimizer's step, a segment of its own:
+    # engine.py) compile once and serve the steps; what else compiled ran at the first step only
+    # (the optimizer's state, made per parameter: 4)
+    serving = [r for r in stats.regions.values() if r.hits >= 8]
+    assert len(serving) == 2 and all(r.hits <= 4 for r in stats.regions.values() if r not in serving), stats.report()
     if mode == "compiled":
         assert stats.ops_compiled > 0 and stats.ops_eager == 0, stats.report()
 

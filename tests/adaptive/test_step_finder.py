@@ -16,7 +16,12 @@ from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.policy import NoPeriod, StepAction
 
 READS = [1, 7, None]  # a read every step, every 7 steps, never
-READ_EVERY_STEP_COMPILES = {"adaptive": 1, "compiled": 2}
+# the forward and backward, the optimizer's step (a segment of its own: engine.py), and in compiled
+# mode the first step's optimizer (AdamW makes its state there)
+READ_EVERY_STEP_COMPILES = {"adaptive": 2, "compiled": 3}
+# between reads the unit is the optimizer's step, then the forward and backward; a read adds the
+# units it cuts: the forward and backward before the first optimizer step after it, the step before it
+READ_EVERY_N_COMPILES = 4
 
 
 def train(device, mode, steps, read_every, seed=0):
@@ -135,12 +140,11 @@ def test_a_loop_computes_what_the_cpu_does_and_compiles_its_step_once(mode, read
     got = train("neuron", mode, steps, read_every)
     assert_bitwise(got, want)
     stats = tilewise.stats()
-    # compiled mode compiles the first step too (AdamW makes its state there): a region of its own
-    assert 1 <= stats.compiles <= READ_EVERY_STEP_COMPILES[mode] and stats.ops_compiled > 0, stats.report()
+    assert stats.flush_reasons["optimizer step"] == steps and stats.ops_compiled > 0, stats.report()
     if read_every == 1:
-        assert stats.compiles == READ_EVERY_STEP_COMPILES[mode] and stats.steps.cuts == 0
+        assert stats.compiles == READ_EVERY_STEP_COMPILES[mode] and stats.steps.cuts == 0, stats.report()
     else:
-        assert stats.steps.found == 1 and stats.steps.cuts >= steps - 10, stats.report()
+        assert 1 <= stats.compiles <= READ_EVERY_N_COMPILES, stats.report()
 
 
 def test_the_compile_count_does_not_grow_with_the_steps_between_reads():
@@ -150,7 +154,7 @@ def test_the_compile_count_does_not_grow_with_the_steps_between_reads():
         tilewise.stats().reset()
         train("neuron", "adaptive", steps, None)
         compiles[steps] = tilewise.stats().compiles
-    assert compiles[30] == compiles[90] == 1
+    assert compiles[30] == compiles[90] == READ_EVERY_STEP_COMPILES["adaptive"]
     assert tilewise.stats().compiled_fraction > 0.9  # of 90 steps, some 10 warming up
 
 
