@@ -30,7 +30,7 @@ from .passes.partition import partition
 from .ir.region import Region
 from .passes.schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-8"  # bumped when a pass computes differently: older disk entries are not used
+COMPILER_VERSION = "tilewise-compiler-9"  # bumped when a pass computes differently: older disk entries are not used
 
 # The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
 # example inputs travel in it).
