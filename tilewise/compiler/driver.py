@@ -371,7 +371,6 @@ def _floating(dtype: torch.dtype | None) -> bool:
 
 
 def _finite(value):
-    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()) \
-            and not bool(value.isfinite().all()):
+    if isinstance(value, torch.Tensor) and _floating(value.dtype) and not bool(value.isfinite().all()):
         return torch.nan_to_num(value, 0.0, 0.0, 0.0)
     return value
