@@ -286,3 +286,19 @@ def test_bn_stats_bn_aggr_and_activation_reduce():
     torch.testing.assert_close(sums, torch.exp(x * 0.5).sum(1, keepdim=True))
     traced = moments.trace((x,))
     assert traced.report.instructions["ScalarEngine"] == 2
+
+
+def test_the_interpreter_runs_a_kernels_instructions_on_one_thread(monkeypatch):
+    # waking an OpenMP team per [128 x 512] tile costs more than the tile's work (host_threads.py)
+    from tilewise.compiler.ir import interpreter
+    from tilewise.host_threads import _thread_count_setters
+    if torch.get_num_threads() == 1 or not _thread_count_setters():
+        pytest.skip("one thread already, or no per-thread count setters in this PyTorch build")
+    threads = torch.get_num_threads()
+    seen = []
+    add = interpreter.ELEMENTWISE["add"]
+    monkeypatch.setitem(interpreter.ELEMENTWISE, "add", lambda *a: seen.append(torch.get_num_threads()) or add(*a))
+    a, b = torch.randn(300, 64), torch.randn(300, 64)
+    assert torch.equal(add_kernel(a, b), a + b)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == threads

@@ -143,14 +143,19 @@ def test_eager_charges_the_kernels_own_cost_under_its_name():
 
 def test_flash_attention_moves_o_s_d_bytes_and_keeps_sbuf_within_the_spec():
     from tilewise.device.runtime import DEVICE
-    from tilewise.kernels.library.attention import flash_fwd
-    reports = {}
+    from tilewise.kernels.library.attention import flash_bwd, flash_fwd
+    forward, backward = {}, {}
     for seq in (256, 512, 1024):
         q = torch.empty(1, 2, seq, 128, dtype=torch.bfloat16, device="meta")
-        reports[seq] = flash_fwd.trace((q, q, q, None, 0.1, False)).report
-    assert reports[1024].dma_bytes == 2 * reports[512].dma_bytes == 4 * reports[256].dma_bytes
-    assert all(r.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes for r in reports.values())
-    assert reports[1024].flops == 2 * 2 * 2 * 1024 * 1024 * 128  # QK^T and PV, each once
+        lse = torch.empty(1, 2, seq, 1, device="meta")
+        forward[seq] = flash_fwd.trace((q, q, q, None, 0.1, False)).report
+        backward[seq] = flash_bwd.trace((q, q, q, None, q, q, lse, 0.1, False)).report
+    for reports in (forward, backward):
+        assert reports[1024].dma_bytes == 2 * reports[512].dma_bytes == 4 * reports[256].dma_bytes
+        assert all(r.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes for r in reports.values())
+    assert forward[1024].flops == 2 * 2 * 2 * 1024 * 1024 * 128  # QK^T and PV, each once
+    # K and V (K twice: transposed and as rows) once per head; Q and dO twice, O, dQ, dK, dV once; lse
+    assert backward[1024].dma_bytes == 2 * (11 * 1024 * 128 * 2 + 1024 * 4)
 
 
 def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
@@ -165,6 +170,23 @@ def test_flash_attention_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
     monkeypatch.setattr(attention.flash_fwd, "_traces", {})
     resident = attention.flash_fwd.trace((q, k, v, None, 0.125, True)).report
     assert report.dma_bytes > resident.dma_bytes  # K/V read once per q tile instead of once
+
+
+def test_flash_attention_backward_streams_k_v_that_do_not_fit_sbuf(monkeypatch):
+    from tilewise.kernels.library import attention
+    q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
+    grad_out = torch.randn(1, 2, 300, 64)
+    reports = {}
+    for budget in (0, attention.BWD_BUDGET):
+        monkeypatch.setattr(attention, "BWD_BUDGET", budget)
+        monkeypatch.setattr(attention.flash_bwd, "_traces", {})
+        got, got_grads = _grads(lambda *a: flash_attention(*a, causal=True), [q, k, v], grad_out)
+        want, want_grads = _grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=True),
+                                  [t.double() for t in (q, k, v)], grad_out.double())
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+        reports[budget] = next(iter(attention.flash_bwd._traces.values())).report
+    assert reports[0].dma_bytes > reports[attention.BWD_BUDGET].dma_bytes  # K/V once per q tile instead of once
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

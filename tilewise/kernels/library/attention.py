@@ -8,9 +8,12 @@ the TensorEngine 128 keys at a time for the P @ V matmul. Causal attention skips
 above the diagonal and masks the tiles it crosses with affine_select. The log-sum-exp m + log(l) is
 saved for the backward.
 
-Backward (per batch, head and K/V tile of 128 keys): D = rowsum(dO * O) per q tile first; then for
-each q tile P is recomputed from the saved log-sum-exp, dV += P^T dO, dP = dO V^T,
-dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K is kept per q tile in SBUF until the head ends.
+Backward (per batch and K/V head): K and V are loaded once into SBUF where they fit BWD_BUDGET
+with fp32 dK and dV accumulators for the whole head (O(S * d) HBM traffic), else streamed per q tile.
+Each q tile of each query head of the group loads Q, dO, O and its log-sum-exp once, takes
+D = rowsum(dO * O), and meets the K/V tiles of 128 keys: P is recomputed from the log-sum-exp,
+dV += P^T dO, dP = dO V^T, dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K accumulates in one
+PSUM bank until the q tile's last K/V tile, then is stored.
 
 Matmul operands are in the inputs' dtype (bf16 matmuls for bf16 inputs); statistics and accumulators
 are fp32. GQA: query head h reads K/V head h // (heads / kv_heads). An additive mask (broadcastable to
@@ -30,6 +33,8 @@ TK = tk.tile_size.gemm_moving_fmax  # keys per forward K/V tile: one fp32 PSUM b
 TT = tk.tile_size.pmax              # keys per TensorEngine transpose, and per backward K/V tile
 NEG = -30000.0                      # the masked score: exp(NEG * scale - max) is 0 in fp32
 KV_BUDGET = 96 * 1024               # SBUF bytes per partition a K/V head may keep (half of trn2's)
+BWD_BUDGET = 160 * 1024             # the backward's K/V head and dK/dV accumulators: trn2's SBUF (192 KiB
+                                    # per partition, as trn1's) less 32 KiB for a q tile's working tiles
 
 
 def _t_load(hbm, b: int, h: int, start: int, n: int, d: int):
@@ -124,14 +129,18 @@ def _kv_stream(k, v, b: int, hk: int, seq_k: int, d: int):
         yield k0, nk, _t_load(k, b, hk, k0, nk, d), v_rows
 
 
-def _row_dots(do, o, b: int, h: int, seq_q: int, d: int) -> list:
-    """D = rowsum(dO * O) of each q tile of head (b, h), fp32 [nq, 1] tiles."""
-    dots = []
-    for q0 in range(0, seq_q, TQ):
-        nq = min(TQ, seq_q - q0)
-        product = tk.multiply(_load(do, b, h, q0, nq, d), _load(o, b, h, q0, nq, d), dtype=F32)
-        dots.append(tk.sum(product, axis=1))
-    return dots
+def _bwd_resident(k, seq_k: int, d: int) -> bool:
+    """Whether a K/V head (K and V transposed, K's rows) and its dK, dV accumulators (fp32, a row of d
+    per 128 keys) fit the backward's SBUF budget, for K/V to be loaded once for all its q tiles."""
+    tiles = math.ceil(seq_k / TT)
+    return (2 * seq_k + tiles * d) * k.dtype.itemsize + 2 * tiles * d * F32.itemsize <= BWD_BUDGET
+
+
+def _bwd_kv_tiles(k, v, b: int, hk: int, seq_k: int, d: int):
+    """The backward's K/V tiles of head (b, hk), 128 keys each: K and V transposed, K's rows."""
+    for k0 in range(0, seq_k, TT):
+        nk = min(TT, seq_k - k0)
+        yield k0, nk, _t_load(k, b, hk, k0, nk, d), _t_load(v, b, hk, k0, nk, d), _load(k, b, hk, k0, nk, d)
 
 
 @tk.kernel
@@ -146,42 +155,45 @@ def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     dv_hbm = tk.ndarray(v.shape, v.dtype, buffer=tk.hbm)
     for b in tk.affine_range(batch):
         for hk in tk.affine_range(kv_heads):
+            kv = list(_bwd_kv_tiles(k, v, b, hk, seq_k, d)) if _bwd_resident(k, seq_k, d) else None
             dk_acc = [tk.zeros((min(TT, seq_k - k0), d), F32) for k0 in range(0, seq_k, TT)]
             dv_acc = [tk.zeros((min(TT, seq_k - k0), d), F32) for k0 in range(0, seq_k, TT)]
             for h in range(hk * group, (hk + 1) * group):
-                dots = _row_dots(do, o, b, h, seq_q, d)
-                dq_acc = [tk.zeros((min(TQ, seq_q - q0), d), F32) for q0 in range(0, seq_q, TQ)]
-                for kt, k0 in enumerate(range(0, seq_k, TT)):
-                    nk = min(TT, seq_k - k0)
-                    k_t, v_t = _t_load(k, b, hk, k0, nk, d), _t_load(v, b, hk, k0, nk, d)
-                    k_rows = _load(k, b, hk, k0, nk, d)
-                    for qt, q0 in enumerate(range(0, seq_q, TQ)):
-                        nq = min(TQ, seq_q - q0)
-                        if causal and k0 > q0 + nq - 1:
-                            continue  # every key of this tile comes after every query
-                        q_t, q_rows = _t_load(q, b, h, q0, nq, d), _load(q, b, h, q0, nq, d)
-                        do_t, do_rows = _t_load(do, b, h, q0, nq, d), _load(do, b, h, q0, nq, d)
-                        neg_lse = tk.multiply(tk.load(lse[b, h, q0:q0 + nq, 0:1]), -1.0)
-                        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk,
-                                                  scale)
-                        scores = _causal(scores, q0, k0, causal)
-                        p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=s_scale, dtype=F32)
-                        p_in = tk.copy(p, dtype=q.dtype)
-                        dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(p_in, do_rows, transpose_x=True))
-                        dp = tk.matmul(do_t, v_t, transpose_x=True)
-                        ds = tk.multiply(tk.multiply(p, tk.isa.tensor_tensor(dp, dots[qt], tk.subtract)), scale,
-                                         dtype=q.dtype)
-                        dk_acc[kt] = tk.add(dk_acc[kt], tk.matmul(ds, q_rows, transpose_x=True))
-                        ds_t = tk.copy(tk.transpose(ds), dtype=q.dtype)
-                        dq_acc[qt] = tk.add(dq_acc[qt], tk.matmul(ds_t, k_rows, transpose_x=True))
-                for qt, q0 in enumerate(range(0, seq_q, TQ)):
+                for q0 in range(0, seq_q, TQ):
                     nq = min(TQ, seq_q - q0)
-                    tk.store(dq_hbm[b, h, q0:q0 + nq, 0:d], tk.copy(dq_acc[qt], dtype=q.dtype))
+                    dq = _bwd_q_tile(q, k, v, mask, o, do, lse, kv, (b, h, hk), q0, nq, scale, causal,
+                                     (dk_acc, dv_acc))
+                    tk.store(dq_hbm[b, h, q0:q0 + nq, 0:d], dq)
             for kt, k0 in enumerate(range(0, seq_k, TT)):
                 nk = min(TT, seq_k - k0)
                 tk.store(dk_hbm[b, hk, k0:k0 + nk, 0:d], tk.copy(dk_acc[kt], dtype=k.dtype))
                 tk.store(dv_hbm[b, hk, k0:k0 + nk, 0:d], tk.copy(dv_acc[kt], dtype=v.dtype))
     return dq_hbm, dk_hbm, dv_hbm
+
+
+def _bwd_q_tile(q, k, v, mask, o, do, lse, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool,
+                accumulators: tuple):
+    """One q tile's dQ (accumulated in a PSUM bank over the K/V tiles it sees); its share of dK and dV
+    added to the head's accumulators. K/V come from SBUF when `kv` holds them, else from HBM."""
+    (b, h, hk), d, seq_k = heads, q.shape[3], k.shape[2]
+    dk_acc, dv_acc = accumulators
+    q_t, q_rows = _t_load(q, b, h, q0, nq, d), _load(q, b, h, q0, nq, d)
+    do_t, do_rows = _t_load(do, b, h, q0, nq, d), _load(do, b, h, q0, nq, d)
+    dots = tk.sum(tk.multiply(do_rows, _load(o, b, h, q0, nq, d), dtype=F32), axis=1)  # D = rowsum(dO * O)
+    neg_lse = tk.multiply(tk.load(lse[b, h, q0:q0 + nq, 0:1]), -1.0)
+    dq_psum = tk.zeros((nq, d), F32, buffer=tk.psum)
+    for kt, (k0, nk, k_t, v_t, k_rows) in enumerate(kv or _bwd_kv_tiles(k, v, b, hk, seq_k, d)):
+        if causal and k0 > q0 + nq - 1:
+            break  # this K/V tile and the rest lie above the diagonal
+        scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk, scale)
+        scores = _causal(scores, q0, k0, causal)
+        p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=s_scale, dtype=F32)
+        dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(tk.copy(p, dtype=q.dtype), do_rows, transpose_x=True))
+        dp = tk.matmul(do_t, v_t, transpose_x=True)
+        ds = tk.multiply(tk.multiply(p, tk.isa.tensor_tensor(dp, dots, tk.subtract)), scale, dtype=q.dtype)
+        dk_acc[kt] = tk.add(dk_acc[kt], tk.matmul(ds, q_rows, transpose_x=True))
+        dq_psum += tk.matmul(tk.copy(tk.transpose(ds), dtype=q.dtype), k_rows, transpose_x=True)
+    return tk.copy(dq_psum, dtype=q.dtype)
 
 
 flash_fwd_op = tk.custom_op("tilewise_kernels::flash_attention_fwd", flash_fwd)
