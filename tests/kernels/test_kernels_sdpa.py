@@ -61,6 +61,20 @@ def test_sdpa_falls_back_to_cpus_kernel_with_the_reason(case, reason):
     assert "flash_fwd" not in tilewise.stats().tile_kernels
 
 
+def test_sdpa_falls_back_where_the_backwards_accumulators_do_not_fit_sbuf(monkeypatch):
+    from tilewise.kernels.library import attention
+    monkeypatch.setattr(attention, "_sbuf_bytes", lambda: attention.WORKING + attention._bwd_accumulator_bytes(200, 32))
+    q, k, v = (torch.randn(1, 2, 300, 32) for _ in range(3))
+    grad_out = torch.randn(1, 2, 300, 32)
+    want, want_grads = _attention_step(q, k, v, grad_out, "cpu", is_causal=True)
+    with tilewise.config.patch(attention_kernel="flash"):
+        got, grads = _attention_step(q, k, v, grad_out, "neuron", is_causal=True)
+    assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    declined = tilewise.stats().tile_kernels_declined
+    assert any("300 keys of head dim 32 (the backward's dK and dV accumulators" in key for key in declined), declined
+    assert not tilewise.stats().tile_kernels
+
+
 def test_sdpa_keeps_cpus_kernel_by_default():
     q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
     got = F.scaled_dot_product_attention(*(t.to("neuron") for t in (q, k, v)), is_causal=True)

@@ -1,15 +1,16 @@
 """FlashAttention forward and backward as tile kernels, and the autograd op over them.
 
 Forward (per batch, head and q tile of 128 rows): K/V are streamed past the q tile in tiles of 512
-keys (one fp32 PSUM bank of scores), from SBUF where the K/V head fits KV_BUDGET (loaded once per
+keys (one fp32 PSUM bank of scores), from SBUF where the K/V head fits half of it (loaded once per
 head: O(S * d) HBM traffic), else from HBM per q tile; with an online softmax: a running max m and sum l in fp32 SBUF, the output
 accumulated in fp32 and rescaled by exp(m_old - m_new) as each K/V tile arrives. P is transposed on
 the TensorEngine 128 keys at a time for the P @ V matmul. Causal attention skips the K/V tiles wholly
 above the diagonal and masks the tiles it crosses with affine_select. The log-sum-exp m + log(l) is
 saved for the backward.
 
-Backward (per batch and K/V head): K and V are loaded once into SBUF where they fit BWD_BUDGET
-with fp32 dK and dV accumulators for the whole head (O(S * d) HBM traffic), else streamed per q tile.
+Backward (per batch and K/V head): fp32 dK and dV accumulators for the whole head stay in SBUF (the
+length they fit bounds where the kernel applies to F.scaled_dot_product_attention); K and V are
+loaded once into SBUF beside them where they fit (O(S * d) HBM traffic), else streamed per q tile.
 Each q tile of each query head of the group loads Q, dO, O and its log-sum-exp once, takes
 D = rowsum(dO * O), and meets the K/V tiles of 128 keys: P is recomputed from the log-sum-exp,
 dV += P^T dO, dP = dO V^T, dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K accumulates in one
@@ -25,6 +26,7 @@ import math
 import torch
 
 import tilewise.kernels as tk
+from tilewise.device.runtime import DEVICE
 from tilewise.reasons import Reason, Why
 
 F32 = torch.float32
@@ -32,9 +34,7 @@ TQ = tk.tile_size.pmax              # q rows per tile
 TK = tk.tile_size.gemm_moving_fmax  # keys per forward K/V tile: one fp32 PSUM bank of scores
 TT = tk.tile_size.pmax              # keys per TensorEngine transpose, and per backward K/V tile
 NEG = -30000.0                      # the masked score: exp(NEG * scale - max) is 0 in fp32
-KV_BUDGET = 96 * 1024               # SBUF bytes per partition a K/V head may keep (half of trn2's)
-BWD_BUDGET = 160 * 1024             # the backward's K/V head and dK/dV accumulators: trn2's SBUF (192 KiB
-                                    # per partition, as trn1's) less 32 KiB for a q tile's working tiles
+WORKING = 32 * 1024                 # SBUF bytes per partition a q tile's working tiles take at most
 
 
 def _t_load(hbm, b: int, h: int, start: int, n: int, d: int):
@@ -68,10 +68,15 @@ def _causal(scores, q0: int, k0: int, causal: bool):
     return tk.isa.affine_select((q0 + ip) - (k0 + jf) >= 0, scores, NEG, dtype=F32)
 
 
+def _sbuf_bytes() -> int:
+    """SBUF bytes per partition of the device the kernel is traced for (part of its trace's key)."""
+    return DEVICE.spec.sbuf_partition_bytes
+
+
 def _resident(k, seq_k: int, d: int) -> bool:
     """Whether a K/V head fits the SBUF budget, to be loaded once for all its q tiles: K transposed
     takes seq_k elements per partition, V a row of d per 128 keys."""
-    return (seq_k + math.ceil(seq_k / TT) * d) * k.dtype.itemsize <= KV_BUDGET
+    return (seq_k + math.ceil(seq_k / TT) * d) * k.dtype.itemsize <= _sbuf_bytes() // 2
 
 
 @tk.kernel
@@ -129,11 +134,21 @@ def _kv_stream(k, v, b: int, hk: int, seq_k: int, d: int):
         yield k0, nk, _t_load(k, b, hk, k0, nk, d), v_rows
 
 
+def _bwd_accumulator_bytes(seq_k: int, d: int) -> int:
+    """SBUF bytes per partition of a K/V head's dK and dV accumulators: fp32, a row of d per 128 keys."""
+    return 2 * math.ceil(seq_k / TT) * d * F32.itemsize
+
+
+def _bwd_fits(seq_k: int, d: int) -> bool:
+    """Whether the backward's dK, dV accumulators leave a q tile's working tiles room in SBUF."""
+    return _bwd_accumulator_bytes(seq_k, d) + WORKING <= _sbuf_bytes()
+
+
 def _bwd_resident(k, seq_k: int, d: int) -> bool:
-    """Whether a K/V head (K and V transposed, K's rows) and its dK, dV accumulators (fp32, a row of d
-    per 128 keys) fit the backward's SBUF budget, for K/V to be loaded once for all its q tiles."""
-    tiles = math.ceil(seq_k / TT)
-    return (2 * seq_k + tiles * d) * k.dtype.itemsize + 2 * tiles * d * F32.itemsize <= BWD_BUDGET
+    """Whether a K/V head (K and V transposed, K's rows) fits SBUF beside its dK, dV accumulators and
+    a q tile's working tiles, for K/V to be loaded once for all its q tiles."""
+    kv = (2 * seq_k + math.ceil(seq_k / TT) * d) * k.dtype.itemsize
+    return kv + _bwd_accumulator_bytes(seq_k, d) + WORKING <= _sbuf_bytes()
 
 
 def _bwd_kv_tiles(k, v, b: int, hk: int, seq_k: int, d: int):
@@ -246,6 +261,10 @@ def _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
         return f"shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} (batch, heads or key lengths differ)"
     if 0 in q.shape or 0 in k.shape:
         return "an empty input"
+    if not _bwd_fits(k.shape[2], k.shape[3]):
+        return (f"{k.shape[2]} keys of head dim {k.shape[3]} (the backward's dK and dV accumulators, "
+                f"{_bwd_accumulator_bytes(k.shape[2], k.shape[3]) // 1024} KiB per partition, leave too little "
+                f"of the {_sbuf_bytes() // 1024} KiB of SBUF)")
     return None
 
 
