@@ -129,6 +129,35 @@ def test_kernel_under_torch_compile():
     assert "rmsnorm_fwd" in tilewise.stats().tile_kernels
 
 
+def _long(seq: int):
+    return [pytest.param(seq, d, dtype, causal, marks=[pytest.mark.slow] if seq > 2048 else [],
+                         id=f"{seq}-d{d}-{str(dtype)[6:]}-{'causal' if causal else 'full'}")
+            for d in (64, 128) for dtype in (torch.float32, torch.bfloat16) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("seq, d, dtype, causal", _long(512) + _long(2048) + _long(8192))
+def test_flash_attention_at_long_sequences_is_as_close_to_the_truth_as_cpus_kernel(seq, d, dtype, causal):
+    # batch 1, 8 heads. The truth is CPU's kernel in float64; CPU's own kernel in the inputs' dtype
+    # sets the error the tile kernel may make (fp32: within 1e-5 besides)
+    from tilewise.device.runtime import DEVICE
+    from tilewise.kernels.library.attention import flash_bwd, flash_fwd
+    torch.manual_seed(seq + d)
+    q, k, v = (torch.randn(1, 8, seq, d).to(dtype) for _ in range(3))
+    grad_out = torch.randn(1, 8, seq, d).to(dtype)
+    got, got_grads = _grads(lambda *a: flash_attention(*a, causal=causal), [q, k, v], grad_out)
+    truth, truth_grads = _grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal),
+                                [t.double() for t in (q, k, v)], grad_out.double())
+    cpu, cpu_grads = _grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal), [q, k, v], grad_out)
+    for ours, theirs, exact in zip([got, *got_grads], [cpu, *cpu_grads], [truth, *truth_grads]):
+        assert ours.dtype == dtype and ours.shape == exact.shape
+        error, cpu_error = ((t.double() - exact).abs().max().item() for t in (ours, theirs))
+        assert error <= 2 * cpu_error + 1e-5, (error, cpu_error)
+    for kernel in (flash_fwd, flash_bwd):
+        traced = [t for key, t in kernel._traces.items() if key[2][0][1][1] == (1, 8, seq, d)]
+        assert traced and all(t.report.sbuf_bytes_per_partition <= DEVICE.spec.sbuf_partition_bytes
+                              for t in traced)
+
+
 def test_eager_charges_the_kernels_own_cost_under_its_name():
     from tilewise.device.runtime import DEVICE
     from tilewise.kernels.library.norms import rmsnorm_fwd
