@@ -1,14 +1,14 @@
 """FlashAttention written in tilewise.kernels beside today's path for F.scaled_dot_product_attention
 on `neuron` (CPU's fused kernel run whole, charged as one opaque op by its inputs, outputs and flops).
 
-For each sequence length, head dim, dtype and causality (batch 1, 8 heads): the kernel's simulated
-time, per-engine busy time, HBM bytes its DMAs move and its SBUF high-water mark against the
-DeviceSpec's SBUF per partition; then today's path's charged time and HBM bytes (run eagerly on
-`neuron`, so only at the lengths `--today` names: CPU's kernel computes the values).
+For each sequence length, head dim, dtype and causality (batch 1, 8 heads), forward and backward:
+the kernel's simulated time, per-engine busy time, HBM bytes its DMAs move and its SBUF high-water
+mark against the DeviceSpec's SBUF per partition; then today's path's charged time and HBM bytes
+(run eagerly on `neuron`, so only at the lengths `--today` names: CPU's kernel computes the values).
 
     python benchmarks/flash_attention.py [--lengths 512 2048 8192] [--today 512 2048]
 
-The kernel is only traced (tk.benchmark: meta tensors, no values), which takes seconds per config at
+The kernel is only traced (tk.benchmark: meta tensors, no values), which takes 5-35 s per config at
 8192 (the trace is unrolled).
 """
 import argparse
@@ -20,15 +20,19 @@ import torch.nn.functional as F
 import tilewise
 import tilewise.kernels as tk
 from tilewise.device.runtime import DEVICE
-from tilewise.kernels.library.attention import flash_fwd
+from tilewise.kernels.library.attention import flash_bwd, flash_fwd
 
 HEADS = 8
 
 
-def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
+def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool, backward: bool) -> str:
     q = torch.empty(1, HEADS, seq, d, dtype=dtype, device="meta")
+    lse = torch.empty(1, HEADS, seq, 1, device="meta")
     start = time.perf_counter()
-    report = tk.benchmark(flash_fwd)(q, q, q, None, d ** -0.5, causal)
+    if backward:
+        report = tk.benchmark(flash_bwd)(q, q, q, None, q, q, lse, d ** -0.5, causal)
+    else:
+        report = tk.benchmark(flash_fwd)(q, q, q, None, d ** -0.5, causal)
     traced = time.perf_counter() - start
     busy = " ".join(f"{e[:6]} {s * 1e6:8.1f}" for e, s in sorted(report.engines.items()))
     sbuf = report.sbuf_bytes_per_partition / 1024
@@ -37,13 +41,21 @@ def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
             f"  [{busy}]  (traced in {traced:.1f} s)")
 
 
-def today_row(seq: int, d: int, dtype: torch.dtype, causal: bool) -> str:
-    q, k, v = (torch.randn(1, HEADS, seq, d, dtype=dtype).to("neuron") for _ in range(3))
-    tilewise.stats().reset()
+def today_rows(seq: int, d: int, dtype: torch.dtype, causal: bool) -> tuple[str, str]:
+    """Today's forward and backward: CPU's kernel and its backward, each charged as one opaque op."""
+    q, k, v = (torch.randn(1, HEADS, seq, d, dtype=dtype).to("neuron").requires_grad_() for _ in range(3))
+    rows = []
     with tilewise.engine(mode="eager"):
-        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    stats = tilewise.stats()
-    return f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (one opaque op)"
+        tilewise.stats().reset()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        stats = tilewise.stats()
+        rows.append(f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (opaque op)")
+        grad_out = torch.ones_like(out)
+        tilewise.stats().reset()
+        out.backward(grad_out)
+        stats = tilewise.stats()
+        rows.append(f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (opaque op)")
+    return tuple(rows)
 
 
 def main() -> None:
@@ -52,15 +64,17 @@ def main() -> None:
     parser.add_argument("--today", type=int, nargs="*", default=[512, 2048])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     args = parser.parse_args()
-    print(f"FlashAttention fwd, batch 1, {HEADS} heads, device {DEVICE.spec.name}")
+    print(f"FlashAttention, batch 1, {HEADS} heads, device {DEVICE.spec.name}")
     for seq in args.lengths:
         for d in args.dims:
             for dtype in (torch.bfloat16, torch.float32):
                 for causal in (False, True):
                     name = f"S={seq:5d} d={d:3d} {str(dtype)[6:]:8s} {'causal' if causal else 'full  '}"
-                    print(f"{name} kernel {kernel_row(seq, d, dtype, causal)}", flush=True)
-                    if seq in args.today:
-                        print(f"{name} today  {today_row(seq, d, dtype, causal)}", flush=True)
+                    today = today_rows(seq, d, dtype, causal) if seq in args.today else None
+                    for backward, part in ((False, "fwd"), (True, "bwd")):
+                        print(f"{name} {part} kernel {kernel_row(seq, d, dtype, causal, backward)}", flush=True)
+                        if today:
+                            print(f"{name} {part} today  {today[backward]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,16 @@ def test_scale_tiny_writes_a_record_per_contender_with_cpu_s_losses(tmp_path):
     assert cpu["simulated_step_s"] is None and cpu["compiles"] == 0
     row = next(line for line in result.stdout.splitlines() if "compiled" in line)
     assert row.split()[-1] == "0.0", row  # the losses are CPU's, bitwise
+
+
+def test_flash_attention_prints_kernel_and_todays_rows_with_bytes_linear_in_the_length():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "flash_attention.py"), "--lengths", "256", "512",
+                             "--today", "256", "--dims", "64"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(r"S=\s*(\d+) d= 64 (\w+)\s+(full|causal)\s+(fwd|bwd) (kernel|today)\s+[\d.]+ us\s+HBM\s+([\d.]+) MiB",
+                      result.stdout)
+    assert len(rows) == 2 * 2 * 2 * 2 + 2 * 2 * 2, result.stdout  # kernel rows at both lengths, today's at 256
+    kernel = {(seq, dtype, causal, part): float(mib) for seq, dtype, causal, part, who, mib in rows if who == "kernel"}
+    for (seq, dtype, causal, part), mib in kernel.items():
+        if seq == "512":  # O(S * d): twice the length, twice the bytes (to the MiB table's two decimals)
+            assert abs(mib - 2 * kernel["256", dtype, causal, part]) <= 0.02, (part, mib)
