@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tilewise
+import tilewise.kernels as tk
 from tilewise.kernels.library import flash_attention, fp8_matmul, int8_linear, layer_norm, quantise_int8, rms_norm, softmax
 
 MODES = ("eager", "adaptive", "compiled")
@@ -127,6 +128,51 @@ def test_kernel_under_torch_compile():
     got = compiled(x.to("neuron"), w.to("neuron")).cpu()
     assert torch.equal(got, rms_norm(x * 2, w) + 1)
     assert "rmsnorm_fwd" in tilewise.stats().tile_kernels
+
+
+def test_flash_attention_dropout_backward_differentiates_the_mask_its_forward_applied():
+    # V = columns of the identity reads the dropped attention matrix out; the mask depends on the seed
+    # and the position alone, so runs with the same seed drop the same scores
+    rate, scale = 0.3, 0.1
+    q, k, v = (torch.randn(1, 2, 300, 100) for _ in range(3))
+    seeded = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    columns = [flash_attention(q, k, torch.eye(300)[:, c:c + 100].expand(1, 2, 300, 100), causal=True, scale=scale,
+                               dropout_p=rate, generator=seeded()) for c in range(0, 300, 100)]
+    kept = torch.cat(columns, dim=-1) != 0
+    below = torch.ones(300, 300).tril().bool()
+    assert not kept[..., ~below].any()
+    assert abs(1 - kept[..., below].double().mean().item() - rate) < 0.01
+
+    def reference(q, k, v):
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~below, float("-inf"))
+        return (torch.softmax(scores, dim=-1) * kept / (1 - rate)) @ v
+
+    grad_out = torch.randn(1, 2, 300, 100)
+    got, got_grads = _grads(lambda *a: flash_attention(*a, causal=True, scale=scale, dropout_p=rate,
+                                                       generator=seeded()), [q, k, v], grad_out)
+    want, want_grads = _grads(reference, [t.double() for t in (q, k, v)], grad_out.double())
+    for g, w in zip([got, *got_grads], [want, *want_grads]):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    again = flash_attention(q, k, v, causal=True, scale=scale, dropout_p=rate, generator=seeded())
+    other = flash_attention(q, k, v, causal=True, scale=scale, dropout_p=rate,
+                            generator=torch.Generator().manual_seed(8))
+    assert torch.equal(again, got) and not torch.equal(other, got)
+
+
+def test_dropout_breaks_no_rule_silently():
+    from tilewise.kernels import KernelRuleError
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        flash_attention(*(torch.randn(1, 1, 8, 8) for _ in range(3)), dropout_p=1.0)
+
+    @tk.kernel
+    def float_seed(x, seed):
+        out = tk.ndarray(x.shape, x.dtype, buffer=tk.hbm)
+        ip, jf = tk.mgrid[0:8, 0:8]
+        tk.store(out[0:8, 0:8], tk.isa.dropout(tk.load(x[0:8, 0:8]), 0.5, tk.load(seed[0:8, 0:1]), at=ip * 8 + jf))
+        return out
+
+    with pytest.raises(KernelRuleError, match="dropout seed: an int32"):
+        float_seed(torch.randn(8, 8), torch.zeros(8, 1))
 
 
 def _flat(result) -> list:

@@ -39,9 +39,28 @@ def test_sdpa_runs_the_flash_kernel_where_it_applies(mode):
         assert stats.compiles >= 1, stats.report()
 
 
+@pytest.mark.parametrize("mode", ["eager", "adaptive", "compiled"])
+def test_sdpa_with_dropout_runs_the_flash_kernel_with_a_seed_from_torchs_generator(mode):
+    q, k, v = (torch.randn(1, 2, 160, 32) for _ in range(3))
+    grad_out = torch.randn(1, 2, 160, 32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(11)
+    want = flash_attention(*leaves, causal=True, dropout_p=0.25)
+    want.backward(grad_out)
+    with tilewise.config.patch(attention_kernel="flash"), tilewise.engine(mode=mode):
+        for _ in range(tilewise.config.threshold + 1):
+            torch.manual_seed(11)
+            got, grads = _attention_step(q, k, v, grad_out, "neuron", is_causal=True, dropout_p=0.25)
+    assert torch.equal(got, want.detach()) and not torch.equal(got, flash_attention(q, k, v, causal=True))
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads, leaves))
+    stats = tilewise.stats()
+    assert {"flash_fwd", "flash_bwd"} <= set(stats.tile_kernels) and not stats.tile_kernels_declined
+    if mode != "eager":
+        assert stats.compiles >= 1, stats.report()
+
+
 @pytest.mark.parametrize("case, reason", [
     (dict(attn_mask=torch.zeros(64, 64, requires_grad=True)), "an attention mask of torch.float32, 2 dims"),
-    (dict(dropout_p=0.5), "dropout_p=0.5"),
     (dict(shape=(1, 2, 64, 160)), "head dims 160"),
     (dict(dtype=torch.float16), "dtypes torch.float16"),
 ])

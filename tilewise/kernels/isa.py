@@ -95,6 +95,20 @@ def affine_select(pred: Mask, on_true_tile, on_false_value: float, dtype: torch.
                        dtype=dtype)
 
 
+def dropout(data, rate: float, seed, at: Index, stream: int = 0, dtype: torch.dtype | None = None) -> Tile:
+    """data / (1 - rate) where the random number of an element is >= rate, else 0, on the GpSimdEngine.
+    The number is a function of the seed tile's value (a [P, 1] int32 tile), `stream` and the element's
+    position `at` (c + cp * p + cf * f) alone, so a backward regenerates the forward's mask by asking
+    at the same positions, in tiles of any shape."""
+    data, seed = operand(data), operand(seed)
+    if not 0.0 <= rate < 1.0:
+        current().check(f"dropout rate in [0, 1): got {rate}")
+    if seed.dtype != torch.int32:
+        current().check(f"dropout seed: an int32 [P, 1] tile, got {seed.dtype}")
+    return instruction(Ops.ALU, "GpSimdEngine", ("dropout", (float(rate), at.affine, int(stream))), (data, seed),
+                       dtype=dtype)
+
+
 def nc_matmul(stationary, moving):
     """stationary.T @ moving on the TensorEngine into fp32 PSUM (stationary [K, M], moving [K, N])."""
     return matmul(stationary, moving, transpose_x=True).land()

@@ -192,6 +192,15 @@ def _affine(affine: Affine, shape) -> torch.Tensor:
     return affine.c + affine.cp * p + affine.cf * f
 
 
+def _uniform(seed: torch.Tensor, stream: int, counter: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in [0, 1), each a function of (seed, stream, counter) alone: murmur3's 32-bit
+    finaliser over the three mixed. Products wrap in int64; only their low 32 bits are kept."""
+    x = (counter * 0x9E3779B1 + seed.to(torch.int64) * 0x85EBCA77 + stream * 0xC2B2AE3D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return (x ^ (x >> 16)).to(torch.float64) / 2.0 ** 32
+
+
 def _instruction(kind: Ops, arg: list, reads: list, shape) -> torch.Tensor:
     if kind is Ops.FILL:
         return torch.full(shape, arg[0])
@@ -218,6 +227,10 @@ def _instruction(kind: Ops, arg: list, reads: list, shape) -> torch.Tensor:
         return ELEMENTWISE[params[0]](reads[0], reads[1]).expand(shape)
     if name == "transpose":
         return reads[0].T
+    if name == "dropout":  # x / (1 - rate) where the element's number is >= rate, else 0
+        rate, affine, stream = params
+        keep = _uniform(reads[1], stream, _affine(affine, shape)) >= rate
+        return torch.where(keep, reads[0] * (1.0 / (1.0 - rate)), 0.0)
     if name == "bn_stats":  # per partition (count, mean, sum of squared deviations)
         x = reads[0]
         mean = x.mean(1, keepdim=True)

@@ -81,8 +81,10 @@ def _resident(k, seq_k: int, d: int) -> bool:
 
 @tk.kernel
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: bool, dropout: float = 0.0, seed: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, d = q.shape
+    drop = _dropout(dropout, seed)
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     o_hbm = tk.ndarray(q.shape, q.dtype, buffer=tk.hbm)
@@ -93,14 +95,15 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             for h in range(hk * group, (hk + 1) * group):
                 for q0 in range(0, seq_q, TQ):
                     nq = min(TQ, seq_q - q0)
-                    o, lse = _fwd_q_tile(q, k, v, mask, kv, (b, h, hk), q0, nq, scale, causal)
+                    o, lse = _fwd_q_tile(q, k, v, mask, kv, (b, h, hk), q0, nq, scale, causal, drop)
                     tk.store(o_hbm[b, h, q0:q0 + nq, 0:d], o)
                     tk.store(lse_hbm[b, h, q0:q0 + nq, 0:1], lse)
     return o_hbm, lse_hbm
 
 
-def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool):
-    """One q tile's output and log-sum-exp, K/V streamed past it (from SBUF when `kv` holds them)."""
+def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool, drop):
+    """One q tile's output and log-sum-exp, K/V streamed past it (from SBUF when `kv` holds them);
+    the softmax's sum is taken before dropout, P @ V after it."""
     (b, h, hk), d, seq_k = heads, q.shape[3], k.shape[2]
     q_t = _t_load(q, b, h, q0, nq, d)
     m = tk.full((nq, 1), -math.inf, F32)
@@ -116,6 +119,7 @@ def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float,
         p, row_sum = tk.isa.activation_reduce(tk.exp, scores, tk.add, bias=neg_m, scale=s_scale, dtype=q.dtype)
         alpha = tk.isa.activation(tk.exp, m, bias=neg_m)
         l_sum = tk.add(tk.multiply(l_sum, alpha), row_sum)
+        p = _dropped(p, drop, (b, h, q.shape[1]), q0, k0, seq_k)
         pv = tk.zeros((nq, d), F32, buffer=tk.psum)
         for c, v_c in zip(range(0, nk, TT), v_rows):
             p_t = tk.copy(tk.transpose(p[:, c:c + v_c.shape[0]]), dtype=q.dtype)
@@ -124,6 +128,27 @@ def _fwd_q_tile(q, k, v, mask, kv, heads: tuple, q0: int, nq: int, scale: float,
         m = m_new
     o = tk.isa.tensor_tensor(o_acc, tk.reciprocal(l_sum), tk.multiply, dtype=q.dtype)
     return o, tk.add(m, tk.log(l_sum))
+
+
+def _dropout(rate: float, seed) -> tuple | None:
+    """(rate, the seed as an int32 [128, 1] tile) where the kernel drops, else None."""
+    if not rate:
+        return None
+    if seed is None:
+        raise ValueError(f"flash attention with dropout {rate} needs a seed tensor")
+    return rate, tk.load(seed[0:TQ, 0:1])
+
+
+def _dropped(p, drop, heads: tuple, q0: int, k0: int, seq_k: int):
+    """p with dropout at scores (q0 + row, k0 + column) of head (b, h), the same numbers for the same
+    positions in forward and backward whatever their tiles; p itself without dropout."""
+    if drop is None:
+        return p
+    (rate, seed), (b, h, heads_count) = drop, heads
+    rows, cols = p.shape
+    ip, jf = tk.mgrid[0:rows, 0:cols]
+    return tk.isa.dropout(p, rate, seed[0:rows, 0:1], at=(q0 + ip) * seq_k + (k0 + jf), stream=b * heads_count + h,
+                          dtype=p.dtype)
 
 
 def _kv_stream(k, v, b: int, hk: int, seq_k: int, d: int):
@@ -160,9 +185,10 @@ def _bwd_kv_tiles(k, v, b: int, hk: int, seq_k: int, d: int):
 
 @tk.kernel
 def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, o: torch.Tensor,
-              do: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              do: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, dropout: float = 0.0,
+              seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, seq_q, d = q.shape
+    drop = _dropout(dropout, seed)
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     dq_hbm = tk.ndarray(q.shape, q.dtype, buffer=tk.hbm)
@@ -177,7 +203,7 @@ def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                 for q0 in range(0, seq_q, TQ):
                     nq = min(TQ, seq_q - q0)
                     dq = _bwd_q_tile(q, k, v, mask, o, do, lse, kv, (b, h, hk), q0, nq, scale, causal,
-                                     (dk_acc, dv_acc))
+                                     (dk_acc, dv_acc), drop)
                     tk.store(dq_hbm[b, h, q0:q0 + nq, 0:d], dq)
             for kt, k0 in enumerate(range(0, seq_k, TT)):
                 nk = min(TT, seq_k - k0)
@@ -187,9 +213,10 @@ def flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def _bwd_q_tile(q, k, v, mask, o, do, lse, kv, heads: tuple, q0: int, nq: int, scale: float, causal: bool,
-                accumulators: tuple):
+                accumulators: tuple, drop):
     """One q tile's dQ (accumulated in a PSUM bank over the K/V tiles it sees); its share of dK and dV
-    added to the head's accumulators. K/V come from SBUF when `kv` holds them, else from HBM."""
+    added to the head's accumulators. K/V come from SBUF when `kv` holds them, else from HBM. With
+    dropout mask M: dV takes (P * M)^T dO and dS = P * (M * dP - D), D = rowsum(dO * O) as without."""
     (b, h, hk), d, seq_k = heads, q.shape[3], k.shape[2]
     dk_acc, dv_acc = accumulators
     q_t, q_rows = _t_load(q, b, h, q0, nq, d), _load(q, b, h, q0, nq, d)
@@ -203,8 +230,10 @@ def _bwd_q_tile(q, k, v, mask, o, do, lse, kv, heads: tuple, q0: int, nq: int, s
         scores, s_scale = _masked(tk.matmul(q_t, k_t, transpose_x=True), mask, b, h, q0, nq, k0, nk, scale)
         scores = _causal(scores, q0, k0, causal)
         p = tk.isa.activation(tk.exp, scores, bias=neg_lse, scale=s_scale, dtype=F32)
-        dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(tk.copy(p, dtype=q.dtype), do_rows, transpose_x=True))
-        dp = tk.matmul(do_t, v_t, transpose_x=True)
+        where = ((b, h, q.shape[1]), q0, k0, seq_k)
+        dv_acc[kt] = tk.add(dv_acc[kt], tk.matmul(tk.copy(_dropped(p, drop, *where), dtype=q.dtype), do_rows,
+                                                  transpose_x=True))
+        dp = _dropped(tk.matmul(do_t, v_t, transpose_x=True), drop, *where)
         ds = tk.multiply(tk.multiply(p, tk.isa.tensor_tensor(dp, dots, tk.subtract)), scale, dtype=q.dtype)
         dk_acc[kt] = tk.add(dk_acc[kt], tk.matmul(ds, q_rows, transpose_x=True))
         dq_psum += tk.matmul(tk.copy(tk.transpose(ds), dtype=q.dtype), k_rows, transpose_x=True)
@@ -216,30 +245,40 @@ flash_bwd_op = tk.custom_op("tilewise_kernels::flash_attention_bwd", flash_bwd)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, mask, scale, causal = inputs
-    ctx.scale, ctx.causal, ctx.masked = scale, causal, mask is not None
-    ctx.save_for_backward(q, k, v, *output, *([mask] if mask is not None else []))
+    q, k, v, mask, scale, causal, dropout, seed = inputs
+    ctx.scale, ctx.causal, ctx.dropout = scale, causal, dropout
+    ctx.save_for_backward(q, k, v, *output, mask, seed)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, *mask = ctx.saved_tensors
-    dq, dk, dv = flash_bwd_op(q, k, v, mask[0] if mask else None, o, do.contiguous(), lse, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None
+    q, k, v, o, lse, mask, seed = ctx.saved_tensors
+    dq, dk, dv = flash_bwd_op(q, k, v, mask, o, do.contiguous(), lse, ctx.scale, ctx.causal, ctx.dropout, seed)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_fwd_op.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask [causal]) v for q [B, H, S, D], k and v [B, H_kv, S_k, D] and an
-    additive mask broadcastable to [B, H, S, S_k] (a bool mask: True keeps)."""
+                    scale: float | None = None, mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """dropout(softmax(q k^T * scale + mask [causal]), dropout_p) v for q [B, H, S, D], k and v
+    [B, H_kv, S_k, D] and an additive mask broadcastable to [B, H, S, S_k] (a bool mask: True keeps).
+    Dropout's seed is drawn from `generator` (the CPU's default one if None), so torch.manual_seed
+    makes a run repeat; its mask is the kernel's own (a hash of seed and position), not CPU's."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = torch.zeros((), dtype=q.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).contiguous()
-    o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, bool(causal))
+    seed = None
+    if dropout_p:
+        drawn = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int32, generator=generator)
+        seed = drawn.expand(TQ, 1).contiguous().to(q.device)
+    o, _ = flash_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, bool(causal), float(dropout_p),
+                        seed)
     return o
 
 
@@ -248,8 +287,6 @@ def _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
     if attn_mask is not None and (attn_mask.requires_grad or attn_mask.dim() > 4 or not (
             attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point)):
         return f"an attention mask of {attn_mask.dtype}, {attn_mask.dim()} dims (the kernel adds a constant mask)"
-    if dropout_p:
-        return f"dropout_p={dropout_p} (the kernel has no dropout)"
     if not q.dim() == k.dim() == v.dim() == 4:
         return f"inputs of {q.dim()}, {k.dim()}, {v.dim()} dims (the kernel takes [B, H, S, D])"
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
@@ -273,4 +310,4 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
     why = _does_not_apply(q, k, v, attn_mask, dropout_p, enable_gqa)
     if why is not None:
         return Reason(Why.KERNEL_DOES_NOT_APPLY, why)
-    return flash_attention(q, k, v, causal=is_causal, scale=scale, mask=attn_mask)
+    return flash_attention(q, k, v, causal=is_causal, scale=scale, mask=attn_mask, dropout_p=dropout_p)
