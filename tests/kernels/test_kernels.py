@@ -302,3 +302,15 @@ def test_the_interpreter_runs_a_kernels_instructions_on_one_thread(monkeypatch):
     assert torch.equal(add_kernel(a, b), a + b)
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == threads
+
+
+def test_a_run_frees_each_on_chip_buffer_after_its_last_use(monkeypatch):
+    # an unrolled kernel allocates tiles per iteration: held to the end, FlashAttention at 8192 keys
+    # took over 20 GB of host memory
+    from tilewise.compiler.ir import interpreter
+    live = []
+    step_at = interpreter._TileRun.step_at
+    monkeypatch.setattr(interpreter._TileRun, "step_at", lambda self, op: live.append(len(self.buffers)) or step_at(self, op))
+    a, b = torch.randn(40 * P, 64), torch.randn(40 * P, 64)
+    assert torch.equal(add_kernel(a, b), a + b)
+    assert 0 < max(live) <= 3  # x, y and x + y of one tile at a time, not 3 x 40

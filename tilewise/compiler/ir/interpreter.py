@@ -45,6 +45,20 @@ def _hbm_view(tensor: torch.Tensor, ref: HbmRef) -> torch.Tensor:
     return tensor.broadcast_to(target).reshape(ref.rows_cols)
 
 
+def _last_uses(body: list) -> dict[int, list[int]]:
+    """A hand-written kernel's on-chip buffers by the instruction that uses each last, so a run frees
+    them there (an unrolled kernel allocates a tile per use: kept, they would grow with its length)."""
+    last = {id(op): index for index, op in enumerate(body) if op.op is Ops.ALLOC}
+    for index, op in enumerate(body):
+        for buffer in op.srcs if op.op is not Ops.ALLOC else ():
+            if id(buffer) in last:
+                last[id(buffer)] = index
+    released: dict[int, list[int]] = {}
+    for buffer, index in last.items():
+        released.setdefault(index, []).append(buffer)
+    return released
+
+
 class _TileRun:
     def __init__(self, kernel: Kernel, hbm_in: dict, hbm_out: dict):
         self.kernel, self.hbm_in, self.hbm_out = kernel, hbm_in, hbm_out
@@ -65,6 +79,7 @@ class _TileRun:
             if op.op is Ops.MATMUL:
                 acc = id(op.srcs[0])
                 self.accumulator[id(op)] = self.accumulator.get(acc, acc)
+        self.released = _last_uses(self.body) if not self.ends else {}
 
     def run(self, start: int = 0, stop: int | None = None) -> None:
         index, stop = start, len(self.body) if stop is None else stop
@@ -78,6 +93,8 @@ class _TileRun:
                 continue
             if op.op is not Ops.END:
                 self.step(op)
+            for buffer in self.released.get(index, ()):
+                del self.buffers[buffer]
             index += 1
 
     def span(self, axis) -> slice:
