@@ -73,19 +73,33 @@ class Schedule:
 @dataclass(frozen=True)
 class Profile:
     """Where a launch's time went: its busiest engine, each engine's active share of the makespan
-    (DMA: its queues' mean), and what it achieved against the core's peaks (a roofline point)."""
+    (DMA: its queues' mean), and what it achieved against the core's peaks (a roofline point).
+    `seconds` is the launch's time (makespan and launch overhead) its rates are over."""
     busiest: str
     shares: tuple            # (engine, active share) for the engines and DMA that did anything
     flops_per_s: float
     flops_share: float       # of the TensorEngine peak for the launch's matmul dtype
     bytes_per_s: float       # HBM bytes the launch moves over its time
     hbm_share: float         # of the core's HBM bandwidth
+    seconds: float = 0.0
+    makespan: float = 0.0    # the program's part of `seconds`, which the shares are of
 
     def __str__(self) -> str:
         shares = ", ".join(f"{engine} {share:.0%}" for engine, share in self.shares)
         return (f"busiest {self.busiest}; active: {shares}; {self.flops_per_s / 1e12:.2f} TFLOP/s "
                 f"({self.flops_share:.0%} of peak), {self.bytes_per_s / 1e9:.1f} GB/s HBM "
                 f"({self.hbm_share:.0%} of peak)")
+
+    def to_dict(self) -> dict:
+        return {"busiest": self.busiest, "shares": dict(self.shares), "flops_per_s": self.flops_per_s,
+                "flops_share": self.flops_share, "bytes_per_s": self.bytes_per_s, "hbm_share": self.hbm_share,
+                "seconds": self.seconds, "makespan": self.makespan}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        return cls(data["busiest"], tuple((str(e), float(s)) for e, s in data["shares"].items()),
+                   *(float(data[k]) for k in ("flops_per_s", "flops_share", "bytes_per_s", "hbm_share",
+                                              "seconds", "makespan")))
 
 
 def profile(played: Schedule, seconds: float, hbm_bytes: int, flops: int, flops_peak: float,
@@ -94,7 +108,29 @@ def profile(played: Schedule, seconds: float, hbm_bytes: int, flops: int, flops_
     shares = tuple((engine, played.share(engine)) for engine in (*ENGINES, DMA) if played.busy.get(engine))
     flops_per_s, bytes_per_s = (flops / seconds, hbm_bytes / seconds) if seconds else (0.0, 0.0)
     return Profile(played.busiest(), shares, flops_per_s, flops_per_s / flops_peak, bytes_per_s,
-                   bytes_per_s / spec.hbm_bandwidth)
+                   bytes_per_s / spec.hbm_bandwidth, seconds, played.seconds)
+
+
+def combined(profiles) -> Profile | None:
+    """The Profile of launches run one after another (a region's): each engine's active time over
+    the summed makespans, FLOPs, bytes and peak shares over the summed launch times. None without
+    a profiled launch (a region of opaque ops only)."""
+    profiles = [p for p in profiles if p is not None]
+    seconds, makespan = sum(p.seconds for p in profiles), sum(p.makespan for p in profiles)
+    if not profiles or not seconds:
+        return None
+    active = {engine: 0.0 for engine in (*ENGINES, DMA)}
+    for p in profiles:
+        for engine, share in p.shares:
+            active[engine] += share * p.makespan
+    shares = tuple((engine, busy / makespan if makespan else 0.0) for engine, busy in active.items() if busy)
+    busiest = max(shares, key=lambda pair: pair[1])[0] if shares else DMA
+
+    def rate(field_name: str) -> float:
+        return sum(getattr(p, field_name) * p.seconds for p in profiles) / seconds
+
+    return Profile(busiest, shares, rate("flops_per_s"), rate("flops_share"), rate("bytes_per_s"),
+                   rate("hbm_share"), seconds, makespan)
 
 
 # -- per-instruction costs (NKI ISA reference; figures from the DeviceSpec) -----------------------
