@@ -157,3 +157,20 @@ def test_combined_profile_weighs_each_launch_by_its_time():
     assert abs(shares["DMA"] - (0.5 + 3 * 1.0) / 4) < 1e-12 and both.busiest == "DMA"
     assert abs(both.flops_per_s - 6000 / 8e-6) < 1e-3 and abs(both.bytes_per_s - 800 / 8e-6) < 1e-3
     assert timing.combined([None]) is None
+
+
+def test_a_trace_plays_as_schedule_does_and_keeps_its_first_spans_in_engine_order():
+    program = timing.matmul_program(TRN2, 4096, 4096, 4096, torch.float32)
+    played = timing.trace(program, TRN2, limit=50)
+    assert played.schedule == timing.schedule(program, TRN2)
+    assert len(played.spans) == 50 and played.instructions == 8 * 32 * (32 * 3 + 2)
+    assert played.played < played.instructions  # its contraction loops played in steady state
+    assert [span.name for span in played.spans[:3]] == ["load", "load", "matmul"]
+    by_unit = {}
+    for span in played.spans:
+        assert span.end > span.start >= 0 and span.end <= played.schedule.seconds
+        assert span.unit in timing.ENGINES or span.unit.removeprefix("DMA").isdigit()
+        by_unit.setdefault(span.unit, []).append(span)
+    for spans in by_unit.values():  # each engine and queue runs one instruction at a time, in order
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(spans, spans[1:]))
+    assert {span.unit for span in played.spans} > {timing.TENSOR, "DMA0", "DMA15"}

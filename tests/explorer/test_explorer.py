@@ -8,11 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import tilewise
 import tilewise.explorer
 from tilewise.__main__ import main as cli_main
-from tilewise.explorer import summary
+from tilewise.explorer import lanes, summary
 from tilewise.explorer.graph import MAX_NODES, segment_svg
 from tilewise.explorer.report import MAX_GROUPS_DRAWN
 from tilewise.workloads import train_mlp, train_seq
@@ -83,6 +84,34 @@ def test_report_is_self_contained_and_names_regions_and_reasons(seq_run, tmp_pat
     folded = max(groups, key=lambda g: len(g["segments"]))
     assert f"seen {len(folded['segments']) + len(folded['replays'])} times" in page
     assert f"{folded['shape_variants']} different shape signatures" in page and DYNAMIC in page
+
+
+def test_launch_lanes_are_the_timing_models_schedule_of_a_launch_of_the_run(seq_run):
+    launches = seq_run.data["launch_lanes"]
+    regions = seq_run.data["stats"]["regions"]
+    assert launches and {launch["region"] for launch in launches} <= set(regions)
+    for launch in launches:
+        assert 0 < launch["makespan"] < launch["seconds"] and 0 < len(launch["spans"]) <= lanes.MAX_SPANS
+        units = {lanes.lane_of(unit)[0] for unit, *_ in launch["spans"]}
+        assert units <= {*lanes.ENGINE_LANES, lanes.DMA_LANE} and lanes.DMA_LANE in units
+        assert all(0 <= start < end <= launch["makespan"] * 1e6 for _, start, end, _ in launch["spans"])
+    assert any(name.startswith(("load ", "store ")) for launch in launches for *_, name in launch["spans"])
+
+
+def test_a_launch_played_in_steady_state_says_what_it_draws():
+    from tilewise.device import timing
+    from tilewise.device.spec import TRN2
+
+    played = timing.trace(timing.matmul_program(TRN2, 4096, 4096, 4096, torch.float32), TRN2, limit=100)
+    launch = {"region": "region1", "launch": "launch_0", "seconds": played.schedule.seconds + 2e-6,
+              "makespan": played.schedule.seconds, "queues": 16, "played": played.played,
+              "instructions": played.instructions, "occupying": played.occupying,
+              "spans": [[s.unit, s.start * 1e6, s.end * 1e6, s.name] for s in played.spans]}
+    text = lanes.note(launch)
+    assert f"played {played.played} of its {played.instructions} instructions" in text
+    assert f"the first 100 of the {played.occupying}" in text
+    svg = lanes.lanes_svg(launch)
+    assert svg.count('class="span"') == 100 and svg.count('<g class="lane"') == 5
 
 
 def test_replayed_segments_are_folded_into_the_segment_that_made_the_plan():
@@ -175,6 +204,12 @@ def test_report_renders_in_headless_chromium(seq_run, tmp_path_factory, capsys):
     optimizer = [r["name"] for r in _optimizer_regions(seq_run.data)]
     assert optimizer and all(f'<tr class="region-row" data-region="{name}">' in dom for name in optimizer)
     assert DYNAMIC in dom and "addcmul" in dom
+    # inside a launch: one lane per engine and the DMA queues, every span laid out
+    launches = seq_run.data["launch_lanes"]
+    spans = sum(len(launch["spans"]) for launch in launches)
+    assert launches and spans > 0 and f'data-rendered-spans="{spans}"' in dom
+    for lane in ("TensorEngine", "VectorEngine", "ScalarEngine", "GpSimdEngine", "DMA"):
+        assert dom.count(f'<g class="lane" data-lane="{lane}">') == len(launches)
     shot = where / "seq_report.png"
     _chromium(browser, where / "profile", f"--screenshot={shot}", "--window-size=1400,3600", url)
     png = shot.read_bytes()

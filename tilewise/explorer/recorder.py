@@ -14,9 +14,11 @@ import time
 
 from ..adaptive import RUNTIME
 from ..adaptive.events import RegionCompiled, SegmentRan
+from ..adaptive.regions import CompiledEntry
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import TilewiseError
+from .lanes import record_lanes
 from .summary import first_segment
 
 FORMAT = "tilewise-run"
@@ -172,6 +174,8 @@ class Recorder:
         timeline = DEVICE.timeline
         kernels = [k for k in list(timeline.events) if k.start >= self._clock]
         host = [e for e in list(timeline.host_events) if e.start >= self._host]
+        trace = timeline.chrome_trace(kernels, host)
+        entries = [e for e in dict.fromkeys(list(RUNTIME.memory.regions.values())) if isinstance(e, CompiledEntry)]
         return {
             "format": FORMAT, "version": VERSION, "started": self._started,
             "settings": dict(self.settings, device=DEVICE.spec.name),
@@ -182,7 +186,8 @@ class Recorder:
                          "ops": e.args.get("ops"), "host_seconds": e.duration}
                         for e in host if e.lane == "flush"],
             "compiles": list(self.compiles),
-            "trace": timeline.chrome_trace(kernels, host),
+            "trace": trace,
+            "launch_lanes": record_lanes(trace, entries),
         }
 
 

@@ -6,6 +6,7 @@ import html
 from . import summary
 from .assets import CSS, SCRIPT
 from .graph import MAX_NODES, region_color, segment_svg
+from .lanes import lanes_svg, note
 
 MAX_GROUPS_DRAWN = 40   # distinct segments drawn; the rest are listed by number
 OPEN_GROUPS = 4         # drawn open on load; the others unfold on a click
@@ -25,7 +26,7 @@ def render(run: dict) -> str:
     body = [f"<h1>{esc(title)}</h1>",
             f'<p class="sub">recorded {esc(run.get("started", ""))}; hover an op for details, '
             "click a region to find it in the graphs</p>",
-            _headline(stats), _regions(run), _fallbacks(stats), _time(run), _segments(run),
+            _headline(stats), _regions(run), _fallbacks(stats), _time(run), _launches(run), _segments(run),
             '<div id="info"></div>']
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
@@ -103,6 +104,25 @@ def _time(run: dict) -> str:
             "hand-off to its reply, while the steps went on. "
             "The trace (<code>write_trace</code>) shows every kernel per engine and the host lanes; "
             "open it in Perfetto or chrome://tracing.</p>")
+
+
+def _launches(run: dict) -> str:
+    parts = ['<h2 id="launches">Inside a launch</h2>']
+    launches = run.get("launch_lanes", [])
+    if not launches:
+        return parts[0] + "<p>No compiled region's launch ran in this recording.</p>"
+    parts.append("<p>The costliest launch of each region that took the most simulated time, as the timing "
+                 "model plays it: one lane per engine and one row per DMA queue (hover a span for its "
+                 "instruction). Engines run concurrently; a launch's time is its makespan plus the launch "
+                 "overhead.</p>")
+    for launch in launches:
+        left_out = note(launch)
+        parts.append(f'<div class="launch" data-region="{esc(launch["region"])}"><h3>{esc(launch["region"])}: '
+                     f'launch {esc(launch["launch"])}</h3> (makespan {launch["makespan"] * 1e6:.2f} us; '
+                     f'{launch["seconds"] * 1e6:.2f} us with the launch overhead)'
+                     + (f'<p class="note">{esc(left_out)}.</p>' if left_out else "")
+                     + f'<div class="scroll">{lanes_svg(launch)}</div></div>')
+    return "\n".join(parts)
 
 
 def _legend() -> str:
