@@ -78,8 +78,11 @@ def test_report_is_self_contained_and_names_regions_and_reasons(seq_run, tmp_pat
     page = open(seq_run.write_report(tmp_path / "run.html"), encoding="utf-8").read()
     assert not re.search(r"<link|<img|src=|@import|url\(", page)
     assert set(re.findall(r"https?://[^\s\"']+", page)) <= {"http://www.w3.org/2000/svg"}
-    for name in seq_run.data["stats"]["regions"]:
+    for name, region in seq_run.data["stats"]["regions"].items():
         assert f'data-region="{name}"' in page
+        if region["profile"] is not None:  # a region's profile: its busiest engine and roofline point
+            assert f'data-busiest="{region["profile"]["busiest"]}"' in page
+    assert any(r["profile"] for r in seq_run.data["stats"]["regions"].values())
     groups, _ = summary.segment_groups(seq_run.data)
     folded = max(groups, key=lambda g: len(g["segments"]))
     assert f"seen {len(folded['segments']) + len(folded['replays'])} times" in page

@@ -59,12 +59,26 @@ def _regions(run: dict) -> str:
         rows.append(({"class": "region-row", "data-region": r["name"]}, swatch + esc(r["name"]), r["ops"],
                      f"<code>{esc(', '.join(r['op_names']) or '-')}</code>", r["hits"], r["misses"],
                      f"{r['compile_seconds']:.3f}", r["kernels"], f"{r['simulated_seconds'] * 1e3:.4f}",
-                     esc(r["segments"] or "-"), refused))
+                     _profile(r.get("profile")), esc(r["segments"] or "-"), refused))
     if not rows:
         return '<h2 id="regions">Regions</h2><p>No region was compiled.</p>'
     return ('<h2 id="regions">Regions</h2>'
             + _table(["region", "ops", "op kinds", "hits", "misses", "compile s", "launches", "simulated ms",
-                      "in segments", "refused fusions"], rows, numeric=(1, 3, 4, 5, 6, 7)))
+                      "where one run's device time goes", "in segments", "refused fusions"], rows,
+                     numeric=(1, 3, 4, 5, 6, 7))
+            + "<p>Per region, its launches as the timing model plays them: the busiest engine, each "
+            "engine's active share of the time (DMA: the mean of its queues), and the achieved FLOP/s and "
+            "HBM bytes/s against the core's peaks.</p>")
+
+
+def _profile(profile: dict | None) -> str:
+    if not profile:
+        return "-"
+    shares = ", ".join(f"{engine.removesuffix('Engine')} {share:.0%}" for engine, share in profile["shares"].items())
+    return (f'<span class="profile" data-busiest="{esc(profile["busiest"])}">busiest '
+            f'<b>{esc(profile["busiest"])}</b>; {esc(shares)}; {profile["flops_per_s"] / 1e12:.2f} TFLOP/s '
+            f'({profile["flops_share"]:.0%} of peak), {profile["bytes_per_s"] / 1e9:.1f} GB/s '
+            f'({profile["hbm_share"]:.0%} of peak)</span>')
 
 
 def _fallbacks(stats: dict) -> str:
