@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tilewise
 import tilewise.explorer
@@ -32,6 +33,19 @@ def seq_run():
     tilewise.reset_caches()
     with tilewise.config.patch(threshold=3, generalise_limit=0), tilewise.explorer.record() as recorder:
         train_seq("neuron", mode="adaptive", steps=8)
+    return recorder.run()
+
+
+@pytest.fixture(scope="module")
+def flash_run():
+    """Causal attention with TILEWISE_ATTENTION_KERNEL=flash, forward and backward, 5 adaptive steps."""
+    q, k, v = (torch.randn(1, 2, 160, 32) for _ in range(3))
+    with tilewise.config.patch(attention_kernel="flash", threshold=3), tilewise.explorer.record() as recorder, \
+            tilewise.engine(mode="adaptive"):
+        for _ in range(5):
+            leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+            tilewise.sync()
     return recorder.run()
 
 
@@ -117,6 +131,23 @@ def test_a_launch_played_in_steady_state_says_what_it_draws():
     assert svg.count('class="span"') == 100 and svg.count('<g class="lane"') == 5
 
 
+def test_the_report_names_the_tile_kernels_an_attention_call_ran(flash_run, seq_run):
+    data = flash_run.data
+    rows = {row["name"]: row for row in summary.tile_kernel_rows(data)}
+    assert set(rows) == {"flash_fwd", "flash_bwd"} == set(data["stats"]["tile_kernels"])
+    kernels = [e for e in data["trace"]["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    for name, row in rows.items():
+        launched = [e for e in kernels if e["name"] == name]
+        assert row["launches"] == len(launched) > 0 and row["runs"] >= row["launches"]
+        assert abs(row["simulated_seconds"] - sum(e["dur"] for e in launched) * 1e-6) < 1e-12
+        assert set(row["where"]) == {e["args"]["region"] or "eager" for e in launched}
+    assert any(r != "eager" for row in rows.values() for r in row["where"])  # inside a compiled region too
+    from tilewise.explorer.report import render
+    page = render(data)
+    assert all(f'<tr class="tile-kernel" data-kernel="{name}">' in page for name in rows)
+    assert "No hand-written tile kernel ran." in render(seq_run.data)
+
+
 def test_replayed_segments_are_folded_into_the_segment_that_made_the_plan():
     with tilewise.config.patch(threshold=3), tilewise.explorer.record() as recorder:
         train_mlp("neuron", mode="adaptive", steps=8)
@@ -195,7 +226,7 @@ def _chromium(browser, profile, *args):
     return done.stdout
 
 
-def test_report_renders_in_headless_chromium(seq_run, tmp_path_factory, capsys):
+def test_report_renders_in_headless_chromium(seq_run, flash_run, tmp_path_factory, capsys):
     browser = _browser()
     where = tmp_path_factory.mktemp("explorer")
     url = "file://" + os.path.abspath(seq_run.write_report(where / "seq_report.html"))
@@ -213,6 +244,9 @@ def test_report_renders_in_headless_chromium(seq_run, tmp_path_factory, capsys):
     assert launches and spans > 0 and f'data-rendered-spans="{spans}"' in dom
     for lane in ("TensorEngine", "VectorEngine", "ScalarEngine", "GpSimdEngine", "DMA"):
         assert dom.count(f'<g class="lane" data-lane="{lane}">') == len(launches)
+    flash = "file://" + os.path.abspath(flash_run.write_report(where / "flash_report.html"))
+    dom = _chromium(browser, where / "profile", "--dump-dom", flash)
+    assert '<tr class="tile-kernel" data-kernel="flash_fwd">' in dom and 'data-kernel="flash_bwd"' in dom
     shot = where / "seq_report.png"
     _chromium(browser, where / "profile", f"--screenshot={shot}", "--window-size=1400,3600", url)
     png = shot.read_bytes()

@@ -26,7 +26,7 @@ def render(run: dict) -> str:
     body = [f"<h1>{esc(title)}</h1>",
             f'<p class="sub">recorded {esc(run.get("started", ""))}; hover an op for details, '
             "click a region to find it in the graphs</p>",
-            _headline(stats), _regions(run), _fallbacks(stats), _time(run), _launches(run), _segments(run),
+            _headline(stats), _regions(run), _tile_kernels(run), _fallbacks(stats), _time(run), _launches(run), _segments(run),
             '<div id="info"></div>']
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
@@ -79,6 +79,25 @@ def _profile(profile: dict | None) -> str:
             f'<b>{esc(profile["busiest"])}</b>; {esc(shares)}; {profile["flops_per_s"] / 1e12:.2f} TFLOP/s '
             f'({profile["flops_share"]:.0%} of peak), {profile["bytes_per_s"] / 1e9:.1f} GB/s '
             f'({profile["hbm_share"]:.0%} of peak)</span>')
+
+
+def _tile_kernels(run: dict) -> str:
+    rows = [({"class": "tile-kernel", "data-kernel": k["name"]}, f"<code>{esc(k['name'])}</code>", k["runs"],
+             k["launches"], f"{k['simulated_seconds'] * 1e3:.4f}", esc(k["engine"]), esc(", ".join(k["where"]) or "-"))
+            for k in summary.tile_kernel_rows(run)]
+    declined = run["stats"].get("tile_kernels_declined", {})
+    parts = ['<h2 id="tile-kernels">Tile kernels</h2>']
+    parts.append(_table(["kernel", "runs", "launches", "simulated ms", "busiest engine", "ran in"], rows,
+                        numeric=(1, 2, 3))
+                 + "<p>Hand-written tile kernels (<code>tilewise.kernels</code>: the library's, an op made with "
+                 "<code>tk.custom_op</code>, or the FlashAttention kernel an attention call runs with "
+                 "<code>TILEWISE_ATTENTION_KERNEL=flash</code>), each launch costed by the timing model under "
+                 "the kernel's name. Runs count its executions on the host (a compile's check run included), "
+                 "launches those charged to the device's timeline.</p>" if rows else "<p>No hand-written tile kernel ran.</p>")
+    if declined:
+        parts.append("<p>Calls a tile kernel did not take (op: reason): "
+                     + esc(", ".join(f"{key} x{n}" for key, n in declined.items())) + "</p>")
+    return "".join(parts)
 
 
 def _fallbacks(stats: dict) -> str:

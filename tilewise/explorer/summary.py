@@ -78,6 +78,27 @@ def region_rows(run: dict) -> list[dict]:
     return rows
 
 
+def tile_kernel_rows(run: dict) -> list[dict]:
+    """Per hand-written tile kernel (tilewise.kernels) that ran: its runs, and its launches on the
+    device's timeline (eager, or inside compiled regions), their simulated time and engine."""
+    kernels = run["stats"].get("tile_kernels", {})
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in run.get("trace", {}).get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    launches, seconds = collections.Counter(), collections.Counter()
+    engines, regions = collections.defaultdict(collections.Counter), collections.defaultdict(set)
+    for event in run.get("trace", {}).get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("pid") == 1 and event["name"] in kernels:
+            name = event["name"]
+            launches[name] += 1
+            seconds[name] += event["dur"] * 1e-6
+            engines[name][lanes.get((event["pid"], event["tid"]), "other")] += event["dur"]
+            regions[name].add(event["args"].get("region") or "eager")
+    return [{"name": name, "runs": runs, "launches": launches[name], "simulated_seconds": seconds[name],
+             "engine": engines[name].most_common(1)[0][0] if engines[name] else "-",
+             "where": sorted(regions[name], key=lambda r: (r != "eager", len(r), r))}
+            for name, runs in sorted(kernels.items())]
+
+
 def time_breakdown(trace: dict) -> dict:
     """Simulated time per engine and per region (or eager), host time per lane, from the trace."""
     lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace.get("traceEvents", [])
