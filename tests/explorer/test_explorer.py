@@ -49,6 +49,25 @@ def flash_run():
     return recorder.run()
 
 
+def _read_free_loop(device, steps=40):
+    """A loop that never reads a value and has no sync point: only the step finder cuts it."""
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 64).to(device), torch.randn(16, 64).to(device)
+    for _ in range(steps):
+        h = torch.tanh(x @ w)
+        w = w - 0.01 * (x.t() @ (h * (1 - h * h)))
+    return w.cpu()
+
+
+@pytest.fixture(scope="module")
+def steps_run():
+    with tilewise.config.patch(step_search_ops=64, threshold=3), tilewise.explorer.record() as recorder, \
+            tilewise.engine(mode="adaptive"):
+        got = _read_free_loop("neuron")
+    assert torch.equal(got, _read_free_loop("cpu"))
+    return recorder.run()
+
+
 def test_recorded_run_has_optimizer_regions_and_dynamic_fallbacks(seq_run):
     data = seq_run.data
     assert data["stats"]["compiles"] >= 1 and data["settings"]["mode"] == "adaptive"
@@ -148,6 +167,27 @@ def test_the_report_names_the_tile_kernels_an_attention_call_ran(flash_run, seq_
     assert "No hand-written tile kernel ran." in render(seq_run.data)
 
 
+def test_the_report_shows_what_the_step_finder_found_and_cut(steps_run, seq_run):
+    from tilewise.adaptive.runtime import STEP_END
+    from tilewise.explorer.report import render
+
+    data = steps_run.data
+    steps, finder = data["stats"]["steps"], summary.step_finder(data)
+    period = steps["period"]
+    assert period and steps["found"] >= 1 and data["stats"]["compiles"] >= 1
+    searched = [f for f in finder["found"] if f["ops"] > f["period"]]
+    assert searched and all(f["period"] == period for f in finder["found"])
+    assert sum(f["ops"] for f in searched) == steps["searched_ops"]
+    (cut,) = finder["cut"].values()
+    assert set(finder["cut"]) == {period} and len(cut) == data["stats"]["flush_reasons"][STEP_END] >= 20
+    ops = {f["segment"]: f["ops"] for f in data["flushes"]}
+    assert all(ops[n] == period for n in cut)  # each segment it cut is one step
+    page = render(data)
+    assert f"cut at a step&#x27;s end: {len(cut)} steps served" in page
+    assert "searched it and found the step" in page and f"a step of {period} ops" in page
+    assert "The step finder cut no segment" in render(seq_run.data)
+
+
 def test_replayed_segments_are_folded_into_the_segment_that_made_the_plan():
     with tilewise.config.patch(threshold=3), tilewise.explorer.record() as recorder:
         train_mlp("neuron", mode="adaptive", steps=8)
@@ -226,7 +266,7 @@ def _chromium(browser, profile, *args):
     return done.stdout
 
 
-def test_report_renders_in_headless_chromium(seq_run, flash_run, tmp_path_factory, capsys):
+def test_report_renders_in_headless_chromium(seq_run, flash_run, steps_run, tmp_path_factory, capsys):
     browser = _browser()
     where = tmp_path_factory.mktemp("explorer")
     url = "file://" + os.path.abspath(seq_run.write_report(where / "seq_report.html"))
@@ -247,6 +287,9 @@ def test_report_renders_in_headless_chromium(seq_run, flash_run, tmp_path_factor
     flash = "file://" + os.path.abspath(flash_run.write_report(where / "flash_report.html"))
     dom = _chromium(browser, where / "profile", "--dump-dom", flash)
     assert '<tr class="tile-kernel" data-kernel="flash_fwd">' in dom and 'data-kernel="flash_bwd"' in dom
+    steps = "file://" + os.path.abspath(steps_run.write_report(where / "steps_report.html"))
+    dom = _chromium(browser, where / "profile", "--dump-dom", steps)
+    assert '<div class="step-finder">' in dom and "steps served" in dom
     shot = where / "seq_report.png"
     _chromium(browser, where / "profile", f"--screenshot={shot}", "--window-size=1400,3600", url)
     png = shot.read_bytes()

@@ -113,6 +113,7 @@ class Recorder:
         self.reset_stats = reset_stats
         self.segments = SegmentLog(max_groups)
         self.compiles: list[dict] = []
+        self.step_marks: list[list[int]] = []  # [segment, the step finder's period then] at each segment event
         self.settings = {"mode": config.mode, "threshold": config.threshold}  # until a segment says
         self._run: Run | None = None
         self._active = False
@@ -166,6 +167,9 @@ class Recorder:
         if event.settings is not None:
             self.settings = {"mode": event.settings.mode, "threshold": event.settings.threshold}
         self.segments.add(event)
+        period = RUNTIME.stats.steps.period
+        if period is not None and (not self.step_marks or self.step_marks[-1][1] != period):
+            self.step_marks.append([event.segment, period])
 
     def _on_compiled(self, event: RegionCompiled) -> None:
         self.compiles.append(dataclasses.asdict(event))
@@ -186,6 +190,7 @@ class Recorder:
                          "ops": e.args.get("ops"), "host_seconds": e.duration}
                         for e in host if e.lane == "flush"],
             "compiles": list(self.compiles),
+            "step_marks": [list(mark) for mark in self.step_marks],
             "trace": trace,
             "launch_lanes": record_lanes(trace, entries),
         }

@@ -26,7 +26,7 @@ def render(run: dict) -> str:
     body = [f"<h1>{esc(title)}</h1>",
             f'<p class="sub">recorded {esc(run.get("started", ""))}; hover an op for details, '
             "click a region to find it in the graphs</p>",
-            _headline(stats), _regions(run), _tile_kernels(run), _fallbacks(stats), _time(run), _launches(run), _segments(run),
+            _headline(stats), _regions(run), _tile_kernels(run), _fallbacks(stats), _steps(run), _time(run), _launches(run), _segments(run),
             '<div id="info"></div>']
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n"
@@ -119,6 +119,29 @@ def _fallbacks(stats: dict) -> str:
     return "".join(parts)
 
 
+def _steps(run: dict) -> str:
+    finder, steps = summary.step_finder(run), run["stats"].get("steps", {})
+    parts = ['<h2 id="steps">Step finder</h2>']
+    if not finder["found"] and not finder["cut"]:
+        missed = ", ".join(f"{reason} x{n}" for reason, n in steps.get("no_period", {}).items())
+        return parts[0] + ("<p>The step finder cut no segment: every segment ended at a read, a sync point or "
+                           "the size bound" + (f"; searches that found no period: {esc(missed)}" if missed else "")
+                           + ".</p>")
+    rows = [(f"{f['segment']}", f"{f['period']}", f"{f['ops']}",
+             "the rest of the step the search ended in (run eagerly)" if f["ops"] <= f["period"]
+             else "searched it and found the step (run eagerly)")
+            for f in finder["found"]]
+    rows += [(esc(summary.ranges(segments)), f"{period}", f"{len(segments)}",
+              esc(f"cut at a step's end: {len(segments)} {_plural('step', segments)} served"))
+             for period, segments in finder["cut"].items()]
+    parts.append('<div class="step-finder">' + _table(["segments", "step (ops)", "ops / segments", "what the finder did"],
+                                                       rows, numeric=(1, 2)) + "</div>")
+    parts.append(f"<p>Found {steps.get('found', 0)}x ({steps.get('searched_ops', 0)} ops searched, run eagerly); "
+                 f"{steps.get('cuts', 0)} segments cut at a step's end in all. Other segments ended at: "
+                 + esc(", ".join(f"{reason} x{n}" for reason, n in finder["other"]) or "-") + ".</p>")
+    return "".join(parts)
+
+
 def _bars(pairs, unit: str, scale: float) -> str:
     total = sum(v for _, v in pairs) or 1.0
     rows = [(esc(name), f"{v * scale:.3f}", f"{100 * v / total:.1f}%",
@@ -168,10 +191,11 @@ def _legend() -> str:
 
 def _segments(run: dict) -> str:
     groups, unmatched = summary.segment_groups(run)
+    cut_at = {n: period for period, cut in summary.step_finder(run)["cut"].items() for n in cut}
     parts = ['<h2 id="segments">Segments</h2>', _legend()]
     for number, group in enumerate(groups):
         if number < MAX_GROUPS_DRAWN:
-            parts.append(_segment(group, open_=number < OPEN_GROUPS))
+            parts.append(_segment(group, open_=number < OPEN_GROUPS, cut_at=cut_at))
     if len(groups) > MAX_GROUPS_DRAWN:
         rest = [n for g in groups[MAX_GROUPS_DRAWN:] for n in g["segments"]]
         parts.append(f'<p class="note">{len(groups) - MAX_GROUPS_DRAWN} more distinct segments not drawn: '
@@ -191,7 +215,7 @@ def _plural(word: str, items) -> str:
     return word if len(items) == 1 else word + "s"
 
 
-def _segment(group: dict, open_: bool) -> str:
+def _segment(group: dict, open_: bool, cut_at: dict) -> str:
     segments, replays, nodes = group["segments"], group["replays"], group["nodes"]
     seen = len(segments) + len(replays)
     heading = f"segment {min(segments + replays)}: {len(nodes)} ops"
@@ -202,6 +226,9 @@ def _segment(group: dict, open_: bool) -> str:
         where.append(f"replayed from its cached plan in {_plural('segment', replays)} {summary.ranges(replays)}")
     if group["shape_variants"] > 1:
         where.append(f"{group['shape_variants']} different shape signatures")
+    cut = [n for n in segments + replays if n in cut_at]
+    if cut:
+        where.append(f"{len(cut)} cut at a step's end by the step finder (a step of {cut_at[cut[0]]} ops)")
     counts = ", ".join(f"{group['counts'][s]} {STATUS_TEXT[s]}" for s in STATUS_TEXT if group["counts"][s])
     regions = sorted({n["region"] for n in nodes if n["region"]}, key=lambda r: (len(r), r))
     note = ""
