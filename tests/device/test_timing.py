@@ -142,3 +142,35 @@ def test_a_compiled_launch_shows_where_its_time_went():
     assert f"{2 * 1024**3 / launch.seconds / 1e12:.2f} TFLOP/s" in text
     share = 2 * 1024**3 / launch.seconds / TRN2.tensor_flops_fp32
     assert 0 < share < 1 and f"({share:.0%} of peak)" in text
+
+
+def test_combined_profile_weighs_each_launch_by_its_time():
+    spec = TRN2
+    a = timing.profile(timing.Schedule(1e-6, {"TensorEngine": 1e-6, "DMA": 8e-6}, queues=16), 3e-6, 300, 6000,
+                       1e9 * 1e3, spec)
+    b = timing.profile(timing.Schedule(3e-6, {"VectorEngine": 3e-6, "DMA": 48e-6}, queues=16), 5e-6, 500, 0,
+                       1e9 * 1e3, spec)
+    both = timing.combined([a, None, b])
+    assert both.seconds == pytest.approx(8e-6) and both.makespan == pytest.approx(4e-6)
+    shares = dict(both.shares)
+    assert abs(shares["TensorEngine"] - 0.25) < 1e-12 and abs(shares["VectorEngine"] - 0.75) < 1e-12
+    assert abs(shares["DMA"] - (0.5 + 3 * 1.0) / 4) < 1e-12 and both.busiest == "DMA"
+    assert abs(both.flops_per_s - 6000 / 8e-6) < 1e-3 and abs(both.bytes_per_s - 800 / 8e-6) < 1e-3
+    assert timing.combined([None]) is None
+
+
+def test_a_trace_plays_as_schedule_does_and_keeps_its_first_spans_in_engine_order():
+    program = timing.matmul_program(TRN2, 4096, 4096, 4096, torch.float32)
+    played = timing.trace(program, TRN2, limit=50)
+    assert played.schedule == timing.schedule(program, TRN2)
+    assert len(played.spans) == 50 and played.instructions == 8 * 32 * (32 * 3 + 2)
+    assert played.played < played.instructions  # its contraction loops played in steady state
+    assert [span.name for span in played.spans[:3]] == ["load", "load", "matmul"]
+    by_unit = {}
+    for span in played.spans:
+        assert span.end > span.start >= 0 and span.end <= played.schedule.seconds
+        assert span.unit in timing.ENGINES or span.unit.removeprefix("DMA").isdigit()
+        by_unit.setdefault(span.unit, []).append(span)
+    for spans in by_unit.values():  # each engine and queue runs one instruction at a time, in order
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(spans, spans[1:]))
+    assert {span.unit for span in played.spans} > {timing.TENSOR, "DMA0", "DMA15"}

@@ -233,7 +233,7 @@ class RegionCompiler:
         self.events.publish(events.RegionCompiled(
             compiled.name, self.stats.segments, len(region.nodes), started, seconds, len(compiled.cost),
             [(str(what), str(why)) for what, why in getattr(compiled, "refused", [])],
-            cached=cached, background_seconds=background_seconds))
+            cached=cached, background_seconds=background_seconds, profile=compiled.profile))
         if site is not None:
             self.sites.count_compile(site, entry.name)
         return entry

@@ -38,6 +38,7 @@ class RegionCompiled:
     refused: list = field(default_factory=list)   # (what, why) of fusions the compiler refused
     cached: bool = False  # served by the compiler's cache (memory, or disk: an earlier process's compile)
     background_seconds: float = 0.0  # the compile's time in the compile process (`seconds`: this process's)
+    profile: object = None  # timing.Profile of one run of its launches (None: a shape-generic region)
 
 
 class EventStream:

@@ -26,6 +26,10 @@ class RegionStats:
     kernels: int = 0
     simulated_seconds: float = 0.0
     refused: list = field(default_factory=list)
+    profile: object = None  # timing.Profile of one run: busiest engine, shares, roofline point
+
+    def to_dict(self) -> dict:
+        return dict(vars(self), profile=self.profile.to_dict() if self.profile is not None else None)
 
 
 @dataclass
@@ -105,7 +109,8 @@ class Stats:
         self.compile_seconds += event.seconds
         self.cached_compiles += event.cached
         self.background_seconds += event.background_seconds
-        self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20])
+        self.regions[event.region] = RegionStats(event.region, event.ops, event.seconds, refused=event.refused[:20],
+                                                 profile=event.profile)
 
     def fallback(self, op: str, reason: str, count: int = 1, source: bool = True) -> None:
         key = (op, reason)
@@ -199,7 +204,7 @@ class Stats:
             "kernels": self.kernels, "eager_kernels_total": eager_counters.kernels,
             "collectives": {kind: vars(t).copy() for kind, t in self.collectives.items()},
             "tile_kernels": self.tile_kernels, "tile_kernels_declined": self.tile_kernels_declined,
-            "regions": {name: vars(r).copy() for name, r in self.regions.items()},
+            "regions": {name: r.to_dict() for name, r in self.regions.items()},
             "caches": {name: size._asdict() for name, size in self.cache_sizes().items()},
         }
 
@@ -251,6 +256,7 @@ class Stats:
             lines += [f"    {r.name:<14} {r.ops:>5} {r.hits:>6} {r.misses:>4} {r.compile_seconds:>8.3f} "
                       f"{r.kernels:>4} {r.simulated_seconds * 1e3:>10.4f}"
                       for r in list(self.regions.values())[:20]]
+            lines += [f"    {r.name}: {r.profile}" for r in list(self.regions.values())[:20] if r.profile is not None]
         return "\n".join(lines)
 
     __str__ = report

@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..config import config
+from ..device import timing
 from ..device.spec import DeviceSpec
 from .native import bindings
 from .passes.cost import estimate_cost
@@ -30,7 +31,7 @@ from .passes.partition import partition
 from .ir.region import Region
 from .passes.schedule import schedule
 
-COMPILER_VERSION = "tilewise-compiler-9"  # bumped when a pass computes differently: older disk entries are not used
+COMPILER_VERSION = "tilewise-compiler-10"  # bumped when a pass computes differently: older disk entries are not used
 
 # The pipeline: each pass takes the Region and returns a new one (the spec and, for decompose, the
 # example inputs travel in it).
@@ -58,12 +59,13 @@ class CompiledRegion:
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, launches, native: Later[NativeProgram], cost, refused,
                  passes_text, compile_seconds: float, spec: DeviceSpec, source: torch.fx.GraphModule,
-                 layouts: tuple | None = None):
+                 layouts: tuple | None = None, profiles: tuple = ()):
         self.name, self.gm, self.spec = name, gm, spec
         self.launches = list(launches)
         self.kernels = [kernel for launch in self.launches for kernel in launch.kernels]
         self._native = native
         self.cost = list(cost)
+        self.profiles = tuple(profiles)  # per launch: the cost pass's timing.Profile (None: an opaque op)
         self.refused = list(refused)
         self.passes_text = list(passes_text)
         self.compile_seconds = compile_seconds
@@ -153,6 +155,11 @@ class CompiledRegion:
             check_launch_limits(launch, self.spec)
 
     @property
+    def profile(self) -> timing.Profile | None:
+        """Where one run's device time goes: its launches' profiles combined (tile launches only)."""
+        return timing.combined(self.profiles)
+
+    @property
     def hbm_bytes(self) -> int:
         return sum(launch.hbm_bytes for launch in self.cost)
 
@@ -186,7 +193,7 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
     compiled = CompiledRegion(name, region.gm, region.launches, Later.made(region.native), region.cost,
                               [(what, str(reason)) for what, reason in region.refused], texts,
                               time.perf_counter() - start, spec, source_graph(gm, example_inputs),
-                              input_layouts(example_inputs))
+                              input_layouts(example_inputs), region.profiles)
     return compiled
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,7 @@ class Instr:
     latency: float = 0.0     # after its occupancy, before what it writes may be read
     nbytes: int = 0          # DMA: bytes moved between HBM and SBUF
     flops: int = 0           # TensorEngine: 2 x multiply-accumulates
+    name: str = ""           # what a trace labels it with (the tile op), if its maker says
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,19 +75,33 @@ class Schedule:
 @dataclass(frozen=True)
 class Profile:
     """Where a launch's time went: its busiest engine, each engine's active share of the makespan
-    (DMA: its queues' mean), and what it achieved against the core's peaks (a roofline point)."""
+    (DMA: its queues' mean), and what it achieved against the core's peaks (a roofline point).
+    `seconds` is the launch's time (makespan and launch overhead) its rates are over."""
     busiest: str
     shares: tuple            # (engine, active share) for the engines and DMA that did anything
     flops_per_s: float
     flops_share: float       # of the TensorEngine peak for the launch's matmul dtype
     bytes_per_s: float       # HBM bytes the launch moves over its time
     hbm_share: float         # of the core's HBM bandwidth
+    seconds: float = 0.0
+    makespan: float = 0.0    # the program's part of `seconds`, which the shares are of
 
     def __str__(self) -> str:
         shares = ", ".join(f"{engine} {share:.0%}" for engine, share in self.shares)
         return (f"busiest {self.busiest}; active: {shares}; {self.flops_per_s / 1e12:.2f} TFLOP/s "
                 f"({self.flops_share:.0%} of peak), {self.bytes_per_s / 1e9:.1f} GB/s HBM "
                 f"({self.hbm_share:.0%} of peak)")
+
+    def to_dict(self) -> dict:
+        return {"busiest": self.busiest, "shares": dict(self.shares), "flops_per_s": self.flops_per_s,
+                "flops_share": self.flops_share, "bytes_per_s": self.bytes_per_s, "hbm_share": self.hbm_share,
+                "seconds": self.seconds, "makespan": self.makespan}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        return cls(data["busiest"], tuple((str(e), float(s)) for e, s in data["shares"].items()),
+                   *(float(data[k]) for k in ("flops_per_s", "flops_share", "bytes_per_s", "hbm_share",
+                                              "seconds", "makespan")))
 
 
 def profile(played: Schedule, seconds: float, hbm_bytes: int, flops: int, flops_peak: float,
@@ -94,7 +110,29 @@ def profile(played: Schedule, seconds: float, hbm_bytes: int, flops: int, flops_
     shares = tuple((engine, played.share(engine)) for engine in (*ENGINES, DMA) if played.busy.get(engine))
     flops_per_s, bytes_per_s = (flops / seconds, hbm_bytes / seconds) if seconds else (0.0, 0.0)
     return Profile(played.busiest(), shares, flops_per_s, flops_per_s / flops_peak, bytes_per_s,
-                   bytes_per_s / spec.hbm_bandwidth)
+                   bytes_per_s / spec.hbm_bandwidth, seconds, played.seconds)
+
+
+def combined(profiles) -> Profile | None:
+    """The Profile of launches run one after another (a region's): each engine's active time over
+    the summed makespans, FLOPs, bytes and peak shares over the summed launch times. None without
+    a profiled launch (a region of opaque ops only)."""
+    profiles = [p for p in profiles if p is not None]
+    seconds, makespan = sum(p.seconds for p in profiles), sum(p.makespan for p in profiles)
+    if not profiles or not seconds:
+        return None
+    active = {engine: 0.0 for engine in (*ENGINES, DMA)}
+    for p in profiles:
+        for engine, share in p.shares:
+            active[engine] += share * p.makespan
+    shares = tuple((engine, busy / makespan if makespan else 0.0) for engine, busy in active.items() if busy)
+    busiest = max(shares, key=lambda pair: pair[1])[0] if shares else DMA
+
+    def rate(field_name: str) -> float:
+        return sum(getattr(p, field_name) * p.seconds for p in profiles) / seconds
+
+    return Profile(busiest, shares, rate("flops_per_s"), rate("flops_share"), rate("bytes_per_s"),
+                   rate("hbm_share"), seconds, makespan)
 
 
 # -- per-instruction costs (NKI ISA reference; figures from the DeviceSpec) -----------------------
@@ -108,7 +146,7 @@ def _is8(dtype: torch.dtype) -> bool:
 
 
 def matmul_instr(spec: DeviceSpec, stationary: float, moving: float, rows: float, dtype: torch.dtype,
-                 reads=(), writes=()) -> Instr:
+                 reads=(), writes=(), name: str = "") -> Instr:
     """`max(min(64, N_stationary), N_moving)` cycles per pass of up to 128 contraction rows (256 for
     fp8 double-row on trn2, 512 MXFP8 on trn3), x4 for fp32, plus the 64-cycle start-up."""
     per_pass = spec.partitions * (spec.fp8_matmul_factor if _is8(dtype) else 1)
@@ -116,11 +154,11 @@ def matmul_instr(spec: DeviceSpec, stationary: float, moving: float, rows: float
     cycles = passes * max(min(64.0, stationary), moving) * (4 if dtype.itemsize >= 4 else 1)
     flops = int(2 * rows * stationary * moving)
     return Instr(TENSOR, (cycles + spec.matmul_startup_cycles) / spec.tensor_hz, tuple(reads), tuple(writes),
-                 flops=flops)
+                 flops=flops, name=name)
 
 
 def engine_instr(spec: DeviceSpec, engine: str, free: float, dtype: torch.dtype, reads=(), writes=(),
-                 two_input: bool = False, factor: float = 1.0) -> Instr:
+                 two_input: bool = False, factor: float = 1.0, name: str = "") -> Instr:
     """An element-wise, reduce or copy instruction over `free` elements per partition (all partitions
     in parallel). Vector: `max(64, N / lanes)` cycles, x2 for two tensor inputs unless 16-bit;
     Scalar: `max(64, N / lanes)`; GpSimd: `150 + N`; each plus the static instruction overhead.
@@ -134,7 +172,7 @@ def engine_instr(spec: DeviceSpec, engine: str, free: float, dtype: torch.dtype,
     else:
         lanes = spec.vector_elems_per_cycle / spec.partitions * (spec.vector_bf16_factor if _is16(dtype) else 1)
         cycles, hz = max(64.0, n / lanes) * (2 if two_input and not _is16(dtype) else 1), spec.vector_hz
-    return Instr(engine, (cycles + spec.instruction_overhead_cycles) / hz, tuple(reads), tuple(writes))
+    return Instr(engine, (cycles + spec.instruction_overhead_cycles) / hz, tuple(reads), tuple(writes), name=name)
 
 
 def dma_efficiency(spec: DeviceSpec, bytes_per_partition: float) -> float:
@@ -143,14 +181,15 @@ def dma_efficiency(spec: DeviceSpec, bytes_per_partition: float) -> float:
     return bytes_per_partition / (bytes_per_partition + spec.dma_half_bytes) if bytes_per_partition else 0.0
 
 
-def dma_instr(spec: DeviceSpec, nbytes: float, partitions: float, reads=(), writes=()) -> Instr:
+def dma_instr(spec: DeviceSpec, nbytes: float, partitions: float, reads=(), writes=(), name: str = "") -> Instr:
     """One transfer on one queue: descriptor generation, then its bytes at the queue's rate (never
     above an equal share of the core's HBM bandwidth) times the efficiency of its bytes per
     partition; what it writes is usable `dma_latency_s` (semaphore to start) after."""
     rate = min(spec.dma_queue_bandwidth, spec.hbm_bandwidth / spec.dma_queues)
     efficiency = dma_efficiency(spec, nbytes / max(partitions, 1))
     seconds = spec.dma_issue_s + (nbytes / (rate * efficiency) if nbytes else 0.0)
-    return Instr(DMA, seconds, tuple(reads), tuple(writes), latency=spec.dma_latency_s, nbytes=int(nbytes))
+    return Instr(DMA, seconds, tuple(reads), tuple(writes), latency=spec.dma_latency_s, nbytes=int(nbytes),
+                 name=name)
 
 
 # -- the list scheduler --------------------------------------------------------------------------
@@ -174,7 +213,8 @@ class _Player:
             else:
                 self.issue(node)
 
-    def issue(self, ins: Instr) -> None:
+    def issue(self, ins: Instr) -> tuple:
+        """Place the instruction: (its engine or queue, start, end of its occupancy)."""
         ready = self.ready
         after = max([ready.get(key, 0.0) for key in ins.reads], default=0.0)
         if ins.engine == DMA:
@@ -194,6 +234,7 @@ class _Player:
         totals["end"] = max(totals["end"], done)
         totals["bytes"] += ins.nbytes
         totals["flops"] += ins.flops
+        return unit, start, end
 
     def sizes(self, body: tuple) -> tuple[int, int]:
         """(instructions, DMA transfers) of the body played whole."""
@@ -260,10 +301,66 @@ class _Player:
 
 def schedule(program: tuple, spec: DeviceSpec) -> Schedule:
     """Play the program on an idle NeuronCore."""
-    player = _Player(spec)
+    return _played(_Player(spec), program, spec)
+
+
+def _played(player: _Player, program: tuple, spec: DeviceSpec) -> Schedule:
     player.play(program)
     totals = player.totals
     return Schedule(totals["end"], dict(player.busy), totals["bytes"], totals["flops"], spec.dma_queues)
+
+
+class Span(NamedTuple):
+    """One instruction as played: its engine or DMA queue ("DMA3"), start and end (seconds from the
+    program's start), and its label."""
+    unit: str
+    start: float
+    end: float
+    name: str
+
+
+@dataclass
+class Trace:
+    """A program played with its first instructions' spans kept: `spans` are the first of the
+    `played` instructions; `instructions` counts the program's instructions expanded (more than
+    `played` when a loop in steady state added iterations as their period); `occupying` counts the
+    played ones that took an engine or queue (the pure dependencies have no span)."""
+    schedule: Schedule
+    spans: list
+    played: int
+    instructions: int
+    occupying: int
+
+
+class _Tracer(_Player):
+    def __init__(self, spec: DeviceSpec, limit: int):
+        super().__init__(spec)
+        self.spans: list[Span] = []
+        self.limit = limit
+        self.played = self.occupying = 0
+
+    def issue(self, ins: Instr) -> tuple:
+        unit, start, end = placed = super().issue(ins)
+        self.played += 1
+        if unit != NO_ENGINE:
+            self.occupying += 1
+            if len(self.spans) < self.limit:
+                self.spans.append(Span(unit, start, end, ins.name or _kind(ins)))
+        return placed
+
+
+def _kind(ins: Instr) -> str:
+    if ins.engine == DMA:
+        return "store" if any(type(key) is tuple and key[:1] == ("hbm",) for key in ins.writes) else "load"
+    return "matmul" if ins.engine == TENSOR else ins.engine.removesuffix("Engine").lower()
+
+
+def trace(program: tuple, spec: DeviceSpec, limit: int = 400) -> Trace:
+    """Play the program as `schedule` does, keeping the spans of its first `limit` instructions
+    (what the explorer draws: a long loop in steady state shows its first iterations)."""
+    tracer = _Tracer(spec, limit)
+    played = _played(tracer, program, spec)
+    return Trace(played, tracer.spans, tracer.played, tracer.sizes(program)[0], tracer.occupying)
 
 
 # -- standard tile programs of eager op classes ---------------------------------------------------

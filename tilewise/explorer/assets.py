@@ -35,6 +35,10 @@ svg.graph .node.dynamic rect { fill: #ffd8a8; stroke: #d9480f; }
 svg.graph .node.warming rect { fill: #e9ecef; }
 svg.graph .node.uncompiled rect { fill: #fff3bf; stroke: #e67700; }
 svg.graph .node:hover rect, svg.graph .lit rect { stroke: #000 !important; stroke-width: 3; }
+svg.lanes text { font-family: "DejaVu Sans Mono", "Liberation Mono", monospace; font-size: 10px; }
+svg.lanes .track { fill: #f8f9fa; stroke: #dee2e6; }
+svg.lanes .span:hover { stroke: #000; }
+div.launch { margin: 10px 0; }
 #info { position: fixed; right: 12px; bottom: 12px; max-width: 380px; background: #fff;
         border: 1px solid #adb5bd; border-radius: 6px; padding: 6px 10px; white-space: pre-wrap;
         font-family: "DejaVu Sans Mono", monospace; font-size: 12px; display: none; }
@@ -42,7 +46,8 @@ svg.graph .node:hover rect, svg.graph .lit rect { stroke: #000 !important; strok
 
 # Hovering an op shows its details and lights up every op of its region in every graph; a click
 # on a region's row opens and scrolls to the first graph that holds it. The last lines count the
-# ops the browser really laid out (a box of non-zero size), for the report's browser test.
+# ops and the launch lanes' spans the browser really laid out (a box of non-zero size), for the
+# report's browser test.
 SCRIPT = """
 (function () {
   var info = document.getElementById('info');
@@ -70,5 +75,9 @@ SCRIPT = """
   document.querySelectorAll('.scroll svg.graph g.node').forEach(function (n) {
     var box = n.getBoundingClientRect(); if (box.width > 0 && box.height > 0) drawn += 1; });
   document.body.setAttribute('data-rendered-ops', String(drawn));
+  var spans = 0;
+  document.querySelectorAll('svg.lanes rect.span').forEach(function (r) {
+    var box = r.getBoundingClientRect(); if (box.width > 0 && box.height > 0) spans += 1; });
+  document.body.setAttribute('data-rendered-spans', String(spans));
 })();
 """

@@ -14,9 +14,11 @@ import time
 
 from ..adaptive import RUNTIME
 from ..adaptive.events import RegionCompiled, SegmentRan
+from ..adaptive.regions import CompiledEntry
 from ..config import config
 from ..device.runtime import DEVICE
 from ..errors import TilewiseError
+from .lanes import record_lanes
 from .summary import first_segment
 
 FORMAT = "tilewise-run"
@@ -111,6 +113,7 @@ class Recorder:
         self.reset_stats = reset_stats
         self.segments = SegmentLog(max_groups)
         self.compiles: list[dict] = []
+        self.step_marks: list[list[int]] = []  # [segment, the step finder's period then] at each segment event
         self.settings = {"mode": config.mode, "threshold": config.threshold}  # until a segment says
         self._run: Run | None = None
         self._active = False
@@ -164,6 +167,9 @@ class Recorder:
         if event.settings is not None:
             self.settings = {"mode": event.settings.mode, "threshold": event.settings.threshold}
         self.segments.add(event)
+        period = RUNTIME.stats.steps.period
+        if period is not None and (not self.step_marks or self.step_marks[-1][1] != period):
+            self.step_marks.append([event.segment, period])
 
     def _on_compiled(self, event: RegionCompiled) -> None:
         self.compiles.append(dataclasses.asdict(event))
@@ -172,6 +178,8 @@ class Recorder:
         timeline = DEVICE.timeline
         kernels = [k for k in list(timeline.events) if k.start >= self._clock]
         host = [e for e in list(timeline.host_events) if e.start >= self._host]
+        trace = timeline.chrome_trace(kernels, host)
+        entries = [e for e in dict.fromkeys(list(RUNTIME.memory.regions.values())) if isinstance(e, CompiledEntry)]
         return {
             "format": FORMAT, "version": VERSION, "started": self._started,
             "settings": dict(self.settings, device=DEVICE.spec.name),
@@ -182,7 +190,9 @@ class Recorder:
                          "ops": e.args.get("ops"), "host_seconds": e.duration}
                         for e in host if e.lane == "flush"],
             "compiles": list(self.compiles),
-            "trace": timeline.chrome_trace(kernels, host),
+            "step_marks": [list(mark) for mark in self.step_marks],
+            "trace": trace,
+            "launch_lanes": record_lanes(trace, entries),
         }
 
 

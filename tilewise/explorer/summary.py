@@ -1,7 +1,10 @@
 """What the report shows, as plain rows computed from a run's data (no HTML here)."""
 from __future__ import annotations
 
+import bisect
 import collections
+
+from ..adaptive.runtime import STEP_END, STEP_FOUND
 
 DYNAMIC = "dynamic"
 
@@ -76,6 +79,52 @@ def region_rows(run: dict) -> list[dict]:
         rows.append(dict(region, op_names=sorted(ops[name]), refused=refused.get(name, region.get("refused", [])),
                          segments=ranges(seen_in[name])))
     return rows
+
+
+def tile_kernel_rows(run: dict) -> list[dict]:
+    """Per hand-written tile kernel (tilewise.kernels) that ran: its runs, and its launches on the
+    device's timeline (eager, or inside compiled regions), their simulated time and engine."""
+    kernels = run["stats"].get("tile_kernels", {})
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in run.get("trace", {}).get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    launches, seconds = collections.Counter(), collections.Counter()
+    engines, regions = collections.defaultdict(collections.Counter), collections.defaultdict(set)
+    for event in run.get("trace", {}).get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("pid") == 1 and event["name"] in kernels:
+            name = event["name"]
+            launches[name] += 1
+            seconds[name] += event["dur"] * 1e-6
+            engines[name][lanes.get((event["pid"], event["tid"]), "other")] += event["dur"]
+            regions[name].add(event["args"].get("region") or "eager")
+    return [{"name": name, "runs": runs, "launches": launches[name], "simulated_seconds": seconds[name],
+             "engine": engines[name].most_common(1)[0][0] if engines[name] else "-",
+             "where": sorted(regions[name], key=lambda r: (r != "eager", len(r), r))}
+            for name, runs in sorted(kernels.items())]
+
+
+def step_finder(run: dict) -> dict:
+    """What the step finder did, per segment: the segments flushed when it found the loop's step
+    (run eagerly) and those it cut at a step's end (one step each), each with the step's length in
+    ops; the other flush reasons by count. The period of a segment is the one the recorder saw at
+    the first segment event from it on (the finder changes it only in a flush of its own), else the
+    last one found."""
+    marks = sorted(run.get("step_marks", []))
+    last = run["stats"].get("steps", {}).get("period")
+
+    def period_at(segment: int):
+        at = bisect.bisect_left(marks, [segment])
+        return marks[at][1] if at < len(marks) else last
+
+    found, cut, other = [], collections.defaultdict(list), collections.Counter()
+    for flush in run.get("flushes", []):
+        segment, reason = flush.get("segment"), flush.get("reason")
+        if reason == STEP_FOUND:
+            found.append({"segment": segment, "period": period_at(segment), "ops": flush.get("ops")})
+        elif reason == STEP_END:
+            cut[period_at(segment)].append(segment)
+        else:
+            other[reason] += 1
+    return {"found": found, "cut": dict(cut), "other": other.most_common()}
 
 
 def time_breakdown(trace: dict) -> dict:

@@ -25,6 +25,7 @@ import torch
 
 from ... import collector
 from ...config import config
+from ...device.timing import Profile
 from ...errors import CompileError
 from ..passes.cost import LaunchCost
 from .disk import ENTRY_SUFFIX, Disk, open_disk, read_signed, stats, warn_once, write_signed
@@ -164,6 +165,7 @@ def entry_payload(key: str, compiled: CompiledRegion) -> bytes:
     return json.dumps({
         "key": key, "version": COMPILER_VERSION, "name": compiled.name, "graph": graph_to_json(compiled.gm),
         "launches": [launch_to_json(launch) for launch in compiled.launches], "cost": compiled.cost,
+        "profiles": [None if p is None else p.to_dict() for p in compiled.profiles],
         "refused": compiled.refused, "passes": compiled.passes_text,
         "compile_seconds": compiled.compile_seconds,
     }).encode()
@@ -218,7 +220,8 @@ def _decode_entry(payload: bytes, key: str, spec, source: torch.fx.GraphModule, 
                                   [cost_from_json(c) for c in entry["cost"]],
                                   [tuple(map(_text, r)) for r in entry["refused"]], [_text(t) for t in entry["passes"]],
                                   float(entry["compile_seconds"]), spec, source_graph(source, example_inputs),
-                                  input_layouts(example_inputs))
+                                  input_layouts(example_inputs),
+                                  tuple(None if p is None else Profile.from_dict(p) for p in entry["profiles"]))
         return compiled
     except Exception:  # any malformation of an authenticated entry: recompile rather than trust it
         return None

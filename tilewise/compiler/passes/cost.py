@@ -104,14 +104,7 @@ def played_launch(launch: Launch, calls: dict, spec: DeviceSpec,
     first = launch.kernels[0]
     if first.kind == "opaque":
         return opaque_cost(first, calls[first.nodes[0]], spec), None
-    hbm, flops, program = 0, 0, ()
-    for kernel in launch.kernels:
-        stage = stages.get(id(kernel)) if stages is not None else None
-        if stage is None:
-            stage = (*_traffic(kernel, launch), kernel_program(kernel, spec, launch))
-            if stages is not None and id(kernel) in stages:
-                stages[id(kernel)] = stage
-        hbm, flops, program = hbm + stage[0], flops + stage[1], program + stage[2]
+    hbm, flops, program = launch_program(launch, spec, stages)
     played = timing.schedule(program, spec)
     engine = "TensorEngine" if flops else played.busiest()
     seconds = spec.launch_overhead_s + played.seconds
@@ -120,6 +113,26 @@ def played_launch(launch: Launch, calls: dict, spec: DeviceSpec,
     peak = spec.tensor_flops_bf16 if sixteen_bit else spec.tensor_flops_fp32
     return (LaunchCost(launch.name, engine, seconds, hbm, flops),
             timing.profile(played, seconds, hbm, flops, peak, spec))
+
+
+def launch_program(launch: Launch, spec: DeviceSpec, stages: dict | None = None) -> tuple[int, int, tuple]:
+    """(HBM bytes, FLOPs, the timing model's program) of a launch of tile kernels."""
+    hbm, flops, program = 0, 0, ()
+    for kernel in launch.kernels:
+        stage = stages.get(id(kernel)) if stages is not None else None
+        if stage is None:
+            stage = (*_traffic(kernel, launch), kernel_program(kernel, spec, launch))
+            if stages is not None and id(kernel) in stages:
+                stages[id(kernel)] = stage
+        hbm, flops, program = hbm + stage[0], flops + stage[1], program + stage[2]
+    return hbm, flops, program
+
+
+def launch_trace(launch: Launch, spec: DeviceSpec, limit: int) -> timing.Trace | None:
+    """The launch's program played with its first `limit` instructions' spans (None: an opaque op)."""
+    if launch.kernels[0].kind == "opaque":
+        return None
+    return timing.trace(launch_program(launch, spec)[2], spec, limit)
 
 
 def opaque_cost(kernel: Kernel, call: OpaqueCall, spec: DeviceSpec) -> LaunchCost:

@@ -57,7 +57,7 @@ def _instr(op: TileOp, kernel: Kernel, launch: Launch | None, sizes: _Sizes, spe
         if launch is not None and launch.on_chip(ref, transpose):
             return timing.Instr(timing.NO_ENGINE, 0.0, reads, (op,))
         partitions, free = sizes.tile(op)
-        return timing.dma_instr(spec, partitions * free * op.dtype.itemsize, partitions, reads, (op,))
+        return timing.dma_instr(spec, partitions * free * op.dtype.itemsize, partitions, reads, (op,), f"load {name}")
     if op.op is Ops.STORE:
         ref = kernel.outputs[op.arg]
         value = op.srcs[0]
@@ -65,21 +65,22 @@ def _instr(op: TileOp, kernel: Kernel, launch: Launch | None, sizes: _Sizes, spe
             return timing.Instr(timing.NO_ENGINE, 0.0, op.srcs, (("hbm", ref.node),))
         partitions, free = sizes.tile(op if op.shape else value)
         nbytes = partitions * free * (op.dtype or value.dtype).itemsize
-        return timing.dma_instr(spec, nbytes, partitions, op.srcs, (("hbm", ref.node),))
+        return timing.dma_instr(spec, nbytes, partitions, op.srcs, (("hbm", ref.node),), f"store {op.arg}")
     if op.op is Ops.ZERO:  # the first matmul into a PSUM tile writes instead of accumulating
         return timing.Instr(timing.NO_ENGINE, 0.0, (), (op,))
     if op.op is Ops.MATMUL:
         acc, lhs_t, rhs = op.srcs
         stationary, moving = sizes.tile(op)
         rows = sizes.axis(lhs_t.shape[0]) * (2 if op.arg == DOUBLE_ROW else 1)
-        return timing.matmul_instr(spec, stationary, moving, rows, lhs_t.dtype, op.srcs, (op, acc))
+        return timing.matmul_instr(spec, stationary, moving, rows, lhs_t.dtype, op.srcs, (op, acc), "matmul")
     engine = engine_of(op)
     source = op.srcs[0] if op.op is Ops.REDUCE else op
     free = sizes.tile(source)[1]
     two_input = sum(1 for src in op.srcs if src.shape and src.shape[1][1] > 1) > 1
-    factor = 8.0 if op.op is Ops.ALU and op.arg[0]._overloadpacket.__name__ == "reciprocal" else 1.0
+    name = op.arg[0]._overloadpacket.__name__ if op.op is Ops.ALU else op.op.name.lower()
+    factor = 8.0 if name == "reciprocal" else 1.0
     widest = max((op, *op.srcs), key=lambda t: t.dtype.itemsize if t.dtype is not None else 0).dtype
-    return timing.engine_instr(spec, engine, free, widest, op.srcs, (op,), two_input, factor)
+    return timing.engine_instr(spec, engine, free, widest, op.srcs, (op,), two_input, factor, name)
 
 
 def kernel_program(kernel: Kernel, spec: DeviceSpec, launch: Launch | None = None) -> tuple:
