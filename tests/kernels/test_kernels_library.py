@@ -279,11 +279,14 @@ def test_int8_weight_linear_equals_torch_dequantised(dtype):
     w, x = torch.randn(600, 300), torch.randn(2, 70, 300).to(dtype)
     w_q, scale = quantise_int8(w)
     assert w_q.dtype == torch.int8
-    want = x.double() @ (w_q.double() * scale.double()[:, None]).T
-    got = int8_linear(x, w_q, scale)
-    assert got.dtype == dtype and got.shape == (2, 70, 600)
+    grad_out = torch.randn(2, 70, 600).to(dtype)
+    got, (got_grad,) = _grads(lambda x: int8_linear(x, w_q, scale), [x], grad_out)
+    want, (want_grad,) = _grads(lambda x: x @ (w_q.double() * scale.double()[:, None]).T, [x.double()],
+                                grad_out.double())
+    assert got.dtype == got_grad.dtype == dtype and got.shape == (2, 70, 600)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.25)  # sums of 300
     torch.testing.assert_close(got.double(), want, **tolerance)
+    torch.testing.assert_close(got_grad.double(), want_grad, **tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -302,13 +305,15 @@ def test_fp8_matmul_accumulates_in_fp32(dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_int8_linear_on_neuron_in_every_mode(mode):
     w_q, scale = quantise_int8(torch.randn(96, 64))
-    x = torch.randn(40, 64)
-    want = int8_linear(x * 2, w_q, scale) + 1
+    x, grad_out = torch.randn(40, 64), torch.randn(40, 96)
+    want, (want_grad,) = _grads(lambda x: int8_linear(x * 2, w_q, scale) + 1, [x], grad_out)
     with tilewise.engine(mode=mode):
         for _ in range(tilewise.config.threshold + 2):
-            got = (int8_linear(x.to("neuron") * 2, w_q.to("neuron"), scale.to("neuron")) + 1).cpu()
-    assert torch.equal(got, want)
-    assert "int8_weight_matmul" in tilewise.stats().tile_kernels
+            got, (grad,) = _grads(lambda x: int8_linear(x * 2, w_q.to("neuron"), scale.to("neuron")) + 1,
+                                  [x.to("neuron")], grad_out)
+            got, grad = got.cpu(), grad.cpu()  # a read each step, as a loop that logs its loss
+    assert torch.equal(got, want) and torch.equal(grad, want_grad)
+    assert tilewise.stats().tile_kernels["int8_weight_matmul"] >= 2 * (tilewise.config.threshold + 2)
     if mode != "eager":
         assert tilewise.stats().compiles >= 1
 

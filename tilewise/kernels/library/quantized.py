@@ -1,5 +1,6 @@
-"""Low-precision matmuls as tile kernels (forward only): int8 weights with per-output-channel scales
-(weight-only quantisation), and fp8 (e4m3/e5m2) inputs.
+"""Low-precision matmuls as tile kernels: int8 weights with per-output-channel scales (weight-only
+quantisation; differentiable in the activations, by the same kernel), and fp8 (e4m3/e5m2) inputs
+(forward only).
 
 The TensorEngine takes no integer operands, so the int8 weight tiles are dequantised on the
 VectorEngine (a cast to the activations' dtype, exact for int8) before the matmul, as the Neuron
@@ -62,6 +63,23 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 int8_weight_matmul_op = tk.custom_op("tilewise_kernels::int8_weight_matmul", int8_weight_matmul)
 fp8_matmul_op = tk.custom_op("tilewise_kernels::fp8_matmul", fp8_matmul)
+
+
+def _int8_setup(ctx, inputs, output):
+    _, w_q, scale = inputs
+    ctx.save_for_backward(w_q, scale)
+
+
+def _int8_backward(ctx, grad):
+    """dx = grad @ (w_q * scale[:, None]) = (grad * scale) @ w_q: the same kernel, with w_q^T as the
+    [K, N] weight and unit scales. The quantised weight and its scales are constants."""
+    w_q, scale = ctx.saved_tensors
+    scaled = (grad.float() * scale).to(grad.dtype)
+    ones = torch.ones(w_q.shape[1], dtype=torch.float32, device=scale.device)
+    return int8_weight_matmul_op(scaled.contiguous(), w_q.T.contiguous(), ones), None, None
+
+
+int8_weight_matmul_op.register_autograd(_int8_backward, setup_context=_int8_setup)
 
 
 def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
