@@ -52,9 +52,12 @@ class StepStats:
 
 
 class Stats:
-    def __init__(self):
-        # Set by the runtime: name -> CacheSize of each engine cache (entries, limit, evictions).
-        self.cache_sizes = dict
+    """One thread's statistics (`tilewise.stats()`): what the engine did for the engine blocks of
+    that thread. The device's figures (simulated seconds, kernels, HBM bytes, collectives, tile
+    kernels) and the caches are the process's, shared by every thread."""
+
+    def __init__(self, cache_sizes=dict):
+        self.cache_sizes = cache_sizes  # () -> name -> CacheSize of each engine cache (the runtime's)
         self.reset()
 
     def reset(self) -> None:
