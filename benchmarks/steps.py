@@ -10,6 +10,10 @@ seconds to the read-every-step row's. Each row runs in a fresh process (the engi
 compiler's caches are process-wide), rows of one loop one after another.
 
     python benchmarks/steps.py [--quick] [--mode adaptive|compiled] [--steps N] [--finder on|off] [--loops mlp,...]
+
+`--memory` runs the sampler and the MLP 10,000 steps each with no read (adaptive mode, a fresh
+process each) and prints the host's resident memory every 1,000 steps and its growth from step
+1,000 to the end.
 """
 from __future__ import annotations
 
@@ -77,6 +81,35 @@ def _sampler(steps):
 
 
 LOOPS = {"mlp": _mlp, "tinygpt": _gpt, "sampler": _sampler}
+MEMORY_STEPS, MEMORY_EVERY = 10_000, 1_000
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory(loop: str, steps: int) -> None:
+    """One loop, `steps` steps with no read in adaptive mode, in this process: the host's resident
+    memory, the device memory held and the engine caches' entries every MEMORY_EVERY steps."""
+    import torch
+    import tilewise
+    step = LOOPS[loop](steps)
+    print(f"{loop}: {steps} steps, no read, adaptive mode")
+    print(f"{'step':>6} {'RSS MiB':>8} {'device MiB':>10} {'cache entries':>13}")
+    rss = {}
+    with tilewise.engine(mode="adaptive") as stats:
+        for i in range(steps):
+            step(i)
+            if (i + 1) % MEMORY_EVERY == 0:
+                tilewise.sync()
+                rss[i + 1] = _rss_mib()
+                entries = sum(size.entries for size in stats.cache_sizes().values())
+                print(f"{i + 1:6d} {rss[i + 1]:8.1f} {torch.neuron.memory_allocated() / 2**20:10.2f} {entries:13d}",
+                      flush=True)
+    first = min(rss)
+    print(f"{loop}: RSS growth from step {first} to {steps}: {rss[steps] - rss[first]:+.1f} MiB; "
+          f"compiled fraction {stats.compiled_fraction:.3f}")
 
 
 def row(loop: str, interval: int | None, steps: int, mode: str) -> dict:
@@ -107,8 +140,19 @@ def main():
     parser.add_argument("--finder", default="on", choices=("on", "off"),
                         help="off: step_search_ops=0, segments end at reads only (the engine before issue 43)")
     parser.add_argument("--loops", default=",".join(LOOPS), help="comma-separated: " + ", ".join(LOOPS))
+    parser.add_argument("--memory", action="store_true",
+                        help=f"host memory over {MEMORY_STEPS} steps with no read (sampler and MLP, adaptive)")
+    parser.add_argument("--memory-row", help=argparse.SUPPRESS)  # a loop, its memory run in this process
     parser.add_argument("--row", help=argparse.SUPPRESS)  # loop:interval, run in this process
     args = parser.parse_args()
+    if args.memory:
+        for loop in (args.loops.split(",") if args.loops != ",".join(LOOPS) else ("sampler", "mlp")):
+            subprocess.run([sys.executable, __file__, "--memory-row", loop, "--steps", str(args.steps or MEMORY_STEPS)],
+                           check=True)
+        return
+    if args.memory_row:
+        memory(args.memory_row, args.steps)
+        return
     if args.row:
         loop, interval = args.row.split(":")
         print(json.dumps(row(loop, None if interval == "never" else int(interval), args.steps, args.mode)))

@@ -211,3 +211,7 @@ def test_a_sampler_s_step_is_cut_where_only_its_state_flows_on():
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 4
     stats = tilewise.stats()
     assert stats.steps.found == 1 and stats.compiles == 1, stats.report()
+    # the report says the step found and how many of the segments were one step each
+    report = stats.report()
+    assert f"period {stats.steps.period} ops" in report and stats.steps.cuts > 150, report
+    assert f"{stats.steps.cuts} of {stats.segments} segments cut at a step's end" in report, report

@@ -181,8 +181,7 @@ class RegionCompiler:
         from ..compiler.cache import regions as cache
         from ..compiler import compile_graph, compile_in_background  # the layer below
 
-        in_flight = sum(1 for entry in self.memory.regions.values() if type(entry) is Compiling)
-        name = f"region{len(self.stats.regions) + in_flight + 1}"
+        name = self.memory.region_name()
         started = time.perf_counter()
         passes_run = cache.stats.compiles  # counts compiles that ran the passes (not served by its cache)
         after = native_after_runs(segment.settings.mode)

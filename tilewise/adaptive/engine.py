@@ -26,7 +26,10 @@ class engine:
     mode: "eager", "adaptive" or "compiled"; default TILEWISE_MODE, else "adaptive".
     threshold: flushes a region must be seen in before it is compiled; default TILEWISE_THRESHOLD.
     Engines nest: the inner mode holds inside the inner block. Like `torch.no_grad()`, one engine
-    object may be entered again, after its block or inside it.
+    object may be entered again, after its block or inside it. A block belongs to the thread that
+    enters it: two threads in blocks of different modes each get their mode, and each its own
+    statistics (`as stats`, the same object as `tilewise.stats()` in that thread). A thread with no
+    block runs its `neuron` ops eagerly, whatever mode another thread's block has.
     """
 
     def __init__(self, mode: str | None = None, threshold: int | None = None):
@@ -46,7 +49,7 @@ class engine:
         tracer.__enter__()
         self._entered.append(tracer)
         _OPTIMIZER_STEPS.watch()
-        return RUNTIME.stats
+        return RUNTIME.thread_stats()
 
     def __exit__(self, *exc_info) -> None:
         tracer = self._entered.pop()
@@ -128,7 +131,13 @@ def prepare_background_compiles() -> None:
 
 
 def stats() -> Stats:
-    return RUNTIME.stats
+    """The calling thread's statistics: what the engine did for this thread's engine blocks, since
+    the thread's first block or the object's `reset()` (`with tilewise.engine() as stats:` gives
+    the same object). A segment counts where it was recorded, whichever thread's op flushed it. A
+    thread that never opened a block gets an object of its own that counts nothing: its ops run
+    eagerly, unseen by the engine. The device's figures (simulated seconds, kernels, HBM bytes)
+    and the engine caches are the process's."""
+    return RUNTIME.thread_stats()
 
 
 def explain(region: str | None = None, passes: bool = False) -> str:

@@ -132,7 +132,7 @@ class GenericSites:
         from ..compiler.process.remote import compile_generic_remotely  # the compiler layer sits below
         from ..compiler.generic.symbolic import compile_generic
 
-        name = f"region{len(self.stats.regions) + 1}"
+        name = self.memory.region_name()
         site.generalisations += 1
         started = time.perf_counter()
         try:

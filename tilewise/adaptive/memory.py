@@ -8,6 +8,7 @@ and `cache_info()` is the one snapshot `stats()` reports, in the order of the fi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from ..config import config
 from .caches import BoundedCache, CacheSize
@@ -57,12 +58,20 @@ class EngineMemory:
     last_sigs: BoundedCache = _per_signature()      # (shape-free fingerprint, k-th in its segment) -> its last node.sig
     generic_sites: BoundedCache = _per_region()     # region key without sizes -> its generic.Site
 
+    def __post_init__(self) -> None:
+        self._numbers = itertools.count(1)  # of compiled regions: a name is the process's, whichever thread compiles
+
+    def region_name(self) -> str:
+        """A name for a region about to compile, unique until the next reset (`explain(name)`)."""
+        return f"region{next(self._numbers)}"
+
     def reset(self) -> None:
-        """Forget everything: each cache starts empty, its eviction count at zero. Fresh objects,
-        not cleared ones: a reader copying a cache on another thread (`explain`) never sees one
-        change under it."""
+        """Forget everything: each cache starts empty, its eviction count at zero, region names
+        from region1. Fresh objects, not cleared ones: a reader copying a cache on another thread
+        (`explain`) never sees one change under it."""
         for field in dataclasses.fields(self):
             setattr(self, field.name, field.default_factory())
+        self._numbers = itertools.count(1)
 
     def cache_info(self) -> dict[str, CacheSize]:
         """Entries, limit and evictions of each cache, by name."""

@@ -81,26 +81,41 @@ class Runtime:
     def __init__(self):
         self.lock = threading.RLock()
         self.segment = Segment()
-        self.stats = Stats()
+        self.memory = EngineMemory()  # every cache the engine consults
+        # per thread: .stats, its Stats (tilewise.stats()); .counting, while it flushes a segment,
+        # the Stats of the thread that recorded the segment
+        self._threads = threading.local()
+        self.stats = CurrentStats(self.counting)
         self._flushing = False
         self._ending = False  # the flush that leaves an engine block
         self._tracing_since = 0.0  # perf_counter() of the current segment's first recorded op
         # off from a segment's first recorded op to the end of its flush (collector.py)
         self._collector = collector.Pause()
         self.events = events.EventStream()  # stats() and the explorer subscribe
-        self.events.subscribe(events.RegionCompiled, self.stats.on_compiled)
+        self.events.subscribe(events.RegionCompiled, lambda event: self.counting().on_compiled(event))
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
         self.runner = StepRunner(self.stats, self.unfinished)
-        self.memory = EngineMemory()  # every cache the engine consults
         # its parts, each given what it uses: sizes that change, regions, segment plans
         self.generic = GenericSites(self.memory, self.stats, self.events)
         self.compiler = RegionCompiler(self.memory, self.stats, self.events, self.generic)
         self.planner = CachedPlans(self.memory, self.stats, self.events, self.generic, analyse=self._plan)
         self.reset_caches()
-        self.stats.cache_sizes = self.memory.cache_info
         DEVICE.sync_hooks.append(lambda: self.flush("synchronize"))
         DEVICE.touch_checks.append(self.touches)
+
+    def thread_stats(self) -> Stats:
+        """The calling thread's statistics: what the engine did for its engine blocks."""
+        try:
+            return self._threads.stats
+        except AttributeError:
+            stats = self._threads.stats = Stats(self.memory.cache_info)
+            return stats
+
+    def counting(self) -> Stats:
+        """The statistics the engine counts into now: while this thread flushes a segment, those
+        of the thread that recorded it; otherwise this thread's."""
+        return getattr(self._threads, "counting", None) or self.thread_stats()
 
     def reset_caches(self) -> None:
         """Forget everything learned: fingerprints seen, plans, compiled regions."""
@@ -136,7 +151,8 @@ class Runtime:
                     return self._as_aten_ops(computed, settings)
             func, args, kwargs, info = self._rewritten(info, args, kwargs)
         with self.lock:  # not acquire() then try: see HBM.track
-            self.stats.ops_seen += 1
+            stats = self.counting()
+            stats.ops_seen += 1
             if settings is not self.segment.settings and self.segment.nodes:
                 self.flush(SETTINGS_CHANGE)  # a segment is planned with one engine block's settings
             reason = info.runs_now
@@ -168,6 +184,8 @@ class Runtime:
                 except Unrecordable as why:
                     reason = why.reason
                 else:
+                    if self.segment.stats is None:
+                        self.segment.stats = stats  # its flush counts in this thread's statistics
                     if not DEVICE.lazy_pending:  # the segment's first op: its tracing span starts
                         self._tracing_since = time.perf_counter()
                         DEVICE.lazy_pending = True
@@ -314,22 +332,24 @@ class Runtime:
         self._flushing = True
         self._ending = reason == ENGINE_EXITED
         started, clock = time.perf_counter(), DEVICE.timeline.clock
+        owner = segment.stats or self.thread_stats()
         if segment.nodes:
-            self.stats.segments += 1
-            self.stats.flush_reasons[reason] += 1
+            owner.segments += 1
+            owner.flush_reasons[reason] += 1
             self.unfinished.append(Unfinished(segment, every_node(segment) if eagerly else None))
         try:
             self._drain()
         finally:
             self._flushing = False
             DEVICE.lazy_pending = bool(self.unfinished)
-            events.host_spans(self.stats.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
+            events.host_spans(owner.segments, reason, len(segment.nodes), self._tracing_since, started, clock)
 
     def _drain(self) -> None:
         """Run the queued work in order. A flush is a transaction: an exception that stops it
         (an interrupt) leaves the work not yet done queued, so the next read computes it."""
         while self.unfinished:
             work = self.unfinished.pop(0)
+            self._threads.counting = work.segment.stats
             try:
                 # buffers recorded under inference_mode are inference tensors, which only code
                 # inside it may write; the flush that computes them may come after it
@@ -344,6 +364,8 @@ class Runtime:
                 if work.steps is None and not (self.unfinished and self.unfinished[0].segment is work.segment):
                     self.unfinished.insert(0, work)  # stopped before it ran a step
                 raise
+            finally:
+                self._threads.counting = None
 
     def is_pending(self, host_tensor) -> bool:
         return self.segment.is_pending(host_tensor) or \
@@ -413,6 +435,21 @@ class Runtime:
                           for step in steps if isinstance(step, NodeStep))
         return steps, plan_kept(every_node_stable=every_node_stable, every_region_served=served, dynamic=dynamic,
                                 compiling=compiling, eager_nodes_follow_floats=floats_only)
+
+
+class CurrentStats:
+    """The Stats object the engine's parts count into: each access goes to `of()`, the statistics
+    the engine counts into at that moment (Runtime.counting)."""
+    __slots__ = ("_of",)
+
+    def __init__(self, of: Callable[[], Stats]):
+        object.__setattr__(self, "_of", of)
+
+    def __getattr__(self, name: str):
+        return getattr(self._of(), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._of(), name, value)
 
 
 def _rewrite_of(func) -> Callable | None:

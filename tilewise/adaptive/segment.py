@@ -74,6 +74,7 @@ class Segment:
         # runtime flushes before an op on another core); its outputs are that core's tensors
         self.core = core
         self.settings = settings  # the recording block's policy.Settings (one per segment, as the core)
+        self.stats = None  # the recording thread's Stats (runtime.py): its flush counts there
         self.inference = False  # some op was recorded under inference_mode: it is computed under it
         self.nodes: list[Node] = []
         # id(host tensor) -> (node index, output index, fingerprint); host tensors of nodes are

@@ -48,17 +48,21 @@ class StepStats:
         return {"period": self.period, "cuts": self.cuts, "found": self.found, "searched_ops": self.searched_ops,
                 "no_period": {str(reason): n for reason, n in self.no_period.items()}}
 
-    def report(self) -> str:
+    def report(self, segments: int) -> str:
+        """One line; `segments`: all the segments flushed, of which `cuts` were one step each."""
         found = f"period {self.period} ops, found {self.found}x ({self.searched_ops} ops searched, run eagerly)" \
             if self.found else "no period found"
         missed = "".join(f"; {reason} x{n}" for reason, n in self.no_period.most_common())
-        return f"  step finder: {found}; {self.cuts} segments cut at a step's end (one step each){missed}"
+        return f"  step finder: {found}; {self.cuts} of {segments} segments cut at a step's end (one step each){missed}"
 
 
 class Stats:
-    def __init__(self):
-        # Set by the runtime: name -> CacheSize of each engine cache (entries, limit, evictions).
-        self.cache_sizes = dict
+    """One thread's statistics (`tilewise.stats()`): what the engine did for the engine blocks of
+    that thread. The device's figures (simulated seconds, kernels, HBM bytes, collectives, tile
+    kernels) and the caches are the process's, shared by every thread."""
+
+    def __init__(self, cache_sizes=dict):
+        self.cache_sizes = cache_sizes  # () -> name -> CacheSize of each engine cache (the runtime's)
         self.reset()
 
     def reset(self) -> None:
@@ -224,7 +228,7 @@ class Stats:
             f"{self.evaluated_sizes} evaluated from parametric programs ({self.evaluate_seconds:.3f} s), "
             f"at most {self.most_compiles_per_site} compiles at one region site",
             f"  cache hits {self.cache_hits}, misses {self.cache_misses}",
-            self.steps.report(),
+            self.steps.report(self.segments),
             f"  simulated device time {self.simulated_seconds * 1e3:.3f} ms, {self.kernels} kernel launches, "
             f"HBM traffic {self.hbm_bytes / 2**20:.2f} MiB",
         ]

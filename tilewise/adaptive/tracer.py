@@ -50,8 +50,9 @@ class Tracer(TorchDispatchMode):
                     return self.runtime.create(func, args, kwargs, self.settings)
             elif self.lazy:
                 return self.runtime.dispatch(func, args, kwargs, self.settings)
-            self.runtime.stats.ops_seen += 1
-            self.runtime.stats.ops_eager += 1
+            stats = self.runtime.counting()
+            stats.ops_seen += 1
+            stats.ops_eager += 1
             return execute(func, args, kwargs)
         except BaseException as error:  # inside a backward pass: backward_errors.py
             if not backward_errors.inside():
