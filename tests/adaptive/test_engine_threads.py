@@ -185,5 +185,6 @@ def test_regions_compiled_in_two_threads_have_names_of_their_own():
     # region, counted where the segment's first op was recorded; names never collide
     sin_names, cos_names = set(results["sin"].regions), set(results["cos"].regions)
     assert sin_names | cos_names and not sin_names & cos_names, (sin_names, cos_names)
-    texts = [tilewise.explain(name) for name in sin_names | cos_names]
-    assert all("sin.default" in text or "cos.default" in text for text in texts), texts
+    texts = {name: tilewise.explain(name) for name in sin_names | cos_names}
+    assert all(text.startswith(f"# {name}: ") for name, text in texts.items()), texts
+    assert any("sin.default" in text for text in texts.values()) and any("cos.default" in text for text in texts.values())
