@@ -125,6 +125,15 @@ def test_a_region_whose_compile_has_not_come_back_runs_eagerly_and_explain_says_
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 
+def _explained(region: str) -> str:
+    """explain(region), or "" for a region not in the cache yet (each site's generic region has a
+    name of its own: a site whose compile has not come back yet has none)."""
+    try:
+        return tilewise.explain(region)
+    except tilewise.ConfigError:
+        return ""
+
+
 def _calls_here(monkeypatch, module, name: str) -> list:
     """The calls of module.name made in this process (a compile process forked from it inherits
     the patch: its calls are not counted)."""
@@ -162,7 +171,7 @@ def test_sizes_that_change_compile_their_generic_region_in_the_compile_process(p
     stats = tilewise.stats()
     assert there and not here and asked_early, stats.report()
     assert stats.compiling_ops > 0 and stats.evaluated_sizes + stats.specialisations >= 3, stats.report()
-    assert stats.ops_compiled > 0 and "compiled in the compile process" in tilewise.explain(there[0][4])
+    assert stats.ops_compiled > 0 and any("compiled in the compile process" in _explained(call[4]) for call in there)
     want_losses, want_params = train_seq("cpu", steps=24, lengths=lengths)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
     for got, want in zip(params, want_params):

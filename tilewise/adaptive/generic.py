@@ -39,6 +39,7 @@ class Site:
     label: str = ""                      # the name of its first compile: the site in stats()
     sightings: int = 0                   # flushes that met it with other sizes and no generic region for them
     compiling: object = None             # compiler.remote.GenericJob: its generic region compiling in the background
+    generic_name: str = ""               # its generic region's name, the same for each compile of it
 
 
 class GenericSites:
@@ -132,7 +133,7 @@ class GenericSites:
         from ..compiler.process.remote import compile_generic_remotely  # the compiler layer sits below
         from ..compiler.generic.symbolic import compile_generic
 
-        name = self.memory.region_name()
+        name = site.generic_name = site.generic_name or self.memory.region_name()
         site.generalisations += 1
         started = time.perf_counter()
         try:
