@@ -16,6 +16,10 @@ D = rowsum(dO * O), and meets the K/V tiles of 128 keys: P is recomputed from th
 dV += P^T dO, dP = dO V^T, dS = P * (dP - D) * scale, dK += dS^T Q, and dQ += dS K accumulates in one
 PSUM bank until the q tile's last K/V tile, then is stored.
 
+Dropout (a rate and an int32 seed tensor [128, 1]) drops P's elements by isa.dropout, a hash of
+the seed, the head and each score's position: the forward after P's row sum joined l, the backward
+on P for dV and on dP, regenerating the forward's mask in its own tiles.
+
 Matmul operands are in the inputs' dtype (bf16 matmuls for bf16 inputs); statistics and accumulators
 are fp32. GQA: query head h reads K/V head h // (heads / kv_heads). An additive mask (broadcastable to
 [B, H, S, S_k], its size-1 dims read at 0) is added to the scaled scores of each tile, forward and
