@@ -44,18 +44,18 @@ def kernel_row(seq: int, d: int, dtype: torch.dtype, causal: bool, backward: boo
 def today_rows(seq: int, d: int, dtype: torch.dtype, causal: bool) -> tuple[str, str]:
     """Today's forward and backward: CPU's kernel and its backward, each charged as one opaque op."""
     q, k, v = (torch.randn(1, HEADS, seq, d, dtype=dtype).to("neuron").requires_grad_() for _ in range(3))
-    rows = []
+    def charged(run) -> str:
+        tilewise.stats().reset()
+        run()
+        stats = tilewise.stats()
+        return f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (opaque op)"
+
     with tilewise.engine(mode="eager"):
-        tilewise.stats().reset()
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        stats = tilewise.stats()
-        rows.append(f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (opaque op)")
-        grad_out = torch.ones_like(out)
-        tilewise.stats().reset()
-        out.backward(grad_out)
-        stats = tilewise.stats()
-        rows.append(f"{stats.simulated_seconds * 1e6:10.1f} us  HBM {stats.hbm_bytes / 2**20:8.2f} MiB  (opaque op)")
-    return tuple(rows)
+        outputs = []
+        forward = charged(lambda: outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+        grad_out = torch.ones_like(outputs[0])
+        backward = charged(lambda: outputs[0].backward(grad_out))
+    return forward, backward
 
 
 def main() -> None:

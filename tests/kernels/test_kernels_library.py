@@ -175,11 +175,6 @@ def test_dropout_breaks_no_rule_silently():
         float_seed(torch.randn(8, 8), torch.zeros(8, 1))
 
 
-def _flat(result) -> list:
-    out, grads = result
-    return [out, *grads]
-
-
 def _long(seq: int):
     return [pytest.param(seq, d, dtype, causal, marks=[pytest.mark.slow] if seq > 2048 else [],
                          id=f"{seq}-d{d}-{str(dtype)[6:]}-{'causal' if causal else 'full'}")
@@ -196,11 +191,12 @@ def test_flash_attention_at_long_sequences_is_as_close_to_the_truth_as_cpus_kern
     q, k, v = (torch.randn(1, 8, seq, d).to(dtype) for _ in range(3))
     grad_out = torch.randn(1, 8, seq, d).to(dtype)
     got, got_grads = _grads(lambda *a: flash_attention(*a, causal=causal), [q, k, v], grad_out)
-    truth = [torch.cat(parts, dim=1) for parts in zip(*(  # head by head: float64 scores take S * S * 8 bytes
-        _flat(_grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal),
-                     [t[:, h:h + 1].double() for t in (q, k, v)], grad_out[:, h:h + 1].double()))
-        for h in range(q.shape[1])))]
-    truth, truth_grads = truth[0], truth[1:]
+    heads = []  # head by head: float64 scores take S * S * 8 bytes
+    for h in range(q.shape[1]):
+        out, grads = _grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal),
+                            [t[:, h:h + 1].double() for t in (q, k, v)], grad_out[:, h:h + 1].double())
+        heads.append([out, *grads])
+    truth, *truth_grads = (torch.cat(parts, dim=1) for parts in zip(*heads))
     cpu, cpu_grads = _grads(lambda *a: F.scaled_dot_product_attention(*a, is_causal=causal), [q, k, v], grad_out)
     for ours, theirs, exact in zip([got, *got_grads], [cpu, *cpu_grads], [truth, *truth_grads]):
         assert ours.dtype == dtype and ours.shape == exact.shape
