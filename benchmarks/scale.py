@@ -3,13 +3,14 @@ in each mode against CPU eager and inductor, at 1x, 2x and 4x depth.
 
 Per workload and contender, each in a fresh process (its own caches, its own peak RSS): cold
 compile seconds (tilewise: the compiles' seconds from `stats()`; inductor: the first step's time
-less a steady step's), compiles, steady host seconds per step (median of the last half of the
-steps), simulated device seconds per steady step, peak RSS, and the largest difference of the
+less a steady step's), compiles, the seconds waited after the first half of the steps for the C
+builds still under way in the background (tilewise), steady host seconds per step (median of the
+last half of the steps, which run what those builds made), simulated device seconds per steady step, peak RSS, and the largest difference of the
 losses (or generated tokens) from CPU eager's run in the same table. Ratios are to CPU eager's
 figures of the same run.
 
     python benchmarks/scale.py [--workloads gpt2,llama] [--tasks train,generate] [--depths 1,2,4]
-                               [--contenders cpu,inductor,eager,adaptive,compiled] [--steps N]
+                               [--contenders cpu,cpu-caching,inductor,eager,adaptive,compiled] [--steps N]
                                [--json PATH] [--tiny]
 
 Training: batch 2, sequence 64, AdamW, one torch thread, a loss read every step. Generating: a
@@ -27,7 +28,9 @@ import subprocess
 import sys
 import time
 
-CONTENDERS = ("cpu", "inductor", "eager", "adaptive", "compiled")
+# cpu-caching: CPU eager in a process that imported tilewise, whose host allocator keeps freed
+# blocks for reuse (host_allocator=caching): how much of a ratio to CPU eager that setting makes
+CONTENDERS = ("cpu", "cpu-caching", "inductor", "eager", "adaptive", "compiled")
 BATCH, LENGTH, PROMPT, NEW_TOKENS = 2, 64, 16, 16
 
 
@@ -56,7 +59,7 @@ def _steps(workload, task, depth, tiny, contender, steps):
     """(step function returning a float or a list to compare, model) on the contender's device."""
     import torch
     model, vocab = _model(workload, depth, tiny)
-    device = "cpu" if contender in ("cpu", "inductor") else "neuron"
+    device = "cpu" if contender in ("cpu", "cpu-caching", "inductor") else "neuron"
     model = model.to(device)
     if contender == "inductor":
         model.forward = torch.compile(model.forward)
@@ -92,12 +95,19 @@ def worker(args) -> dict:
     if contender in ("eager", "adaptive", "compiled"):  # CPU's contenders run without tilewise imported
         import tilewise
         block, stats = tilewise.engine(mode=contender), tilewise.stats()
+    elif contender == "cpu-caching":
+        import tilewise  # noqa: F401  (its import sets the host allocator)
     step = _steps(args.workload, args.task, args.depth, args.tiny, contender, args.steps)
     times, results, simulated = [], [], []
+    waited = 0.0
     if block is not None:
         block.__enter__()
     try:
         for i in range(args.steps):
+            if block is not None and i == args.steps // 2:  # the steady steps run what the C builds made
+                started = time.perf_counter()
+                tilewise.wait_for_compiles()
+                waited = time.perf_counter() - started
             before = stats.simulated_seconds if stats else 0.0
             started = time.perf_counter()
             results.append(step(i))
@@ -112,7 +122,7 @@ def worker(args) -> dict:
               "step_s": times, "steady_step_s": statistics.median(steady), "results": results,
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if block is not None:
-        record.update(cold_compile_s=stats.compile_seconds, compiles=stats.compiles,
+        record.update(cold_compile_s=stats.compile_seconds, compiles=stats.compiles, build_wait_s=waited,
                       simulated_step_s=statistics.median(simulated[len(simulated) // 2:]),
                       compiled_fraction=stats.compiled_fraction)
     elif contender == "inductor":
@@ -147,14 +157,16 @@ def _difference(record: dict, reference: dict | None):
 
 
 def _row(record: dict, reference: dict | None) -> str:
-    name = f"{record['workload']} x{record['depth']} {record['task']:<8} {record['contender']:<9}"
+    name = f"{record['workload']} x{record['depth']} {record['task']:<8} {record['contender']:<11}"
     if "error" in record:
         return f"{name} {record['error']}"
     ratio = record["steady_step_s"] / reference["steady_step_s"] if reference and "error" not in reference else float("nan")
     rss = record["peak_rss_mb"] / reference["peak_rss_mb"] if reference and "error" not in reference else float("nan")
     simulated = record.get("simulated_step_s")
     compiles = record.get("compiles")
+    wait = record.get("build_wait_s")
     return (f"{name} {record['cold_compile_s']:>8.2f} {'-' if compiles is None else compiles:>8} "
+            f"{'-' if wait is None else f'{wait:.2f}':>8} "
             f"{record['steady_step_s']:>8.3f} {ratio:>6.2f}x "
             f"{'-' if simulated is None else f'{simulated * 1e3:.2f}':>10} {record['peak_rss_mb']:>8.0f} {rss:>5.2f}x "
             f"{_difference(record, reference)}")
@@ -184,7 +196,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
     records = []
-    print(f"{'workload':<10} {'task':<8} {'contender':<9} {'compile s':>9} {'compiles':>8} {'step s':>8} "
+    print(f"{'workload':<10} {'task':<8} {'contender':<11} {'compile s':>9} {'compiles':>8} {'C wait s':>8} {'step s':>8} "
           f"{'vs cpu':>7} {'sim ms':>10} {'rss MB':>8} {'vs cpu':>6} max diff from cpu")
     for workload in args.workloads.split(","):
         for task in args.tasks.split(","):

@@ -30,6 +30,7 @@ BAD_VALUES = {
     "signature_cache_size": [0, -3, 2.5, "huge", "10", None],
     "timeline_events": [-1, 1.5, "all", float("inf")],
     "host_backend": ["fast", "", 3, None, "cuda", ["native"]],
+    "host_allocator": ["cached", "", 0, None, "malloc", ["caching"]],
     "background_compile": ["yes", "", 1, True, None, ["on"]],
     "cores": [0, -2, 1.5, "8", float("nan")],
     "verify_ir": ["yes", "", 1, True, None, ["on"]],
@@ -42,7 +43,7 @@ ALLOWED = {"mode": "eager, adaptive, compiled", "device": "trn2, trn3", "cache_d
            "step_search_ops": ">= 0",
            "generalise_limit": ">= 0", "specialisation_limit": ">= 1",
            "region_cache_size": ">= 1", "signature_cache_size": ">= 1", "timeline_events": ">= 0",
-           "host_backend": "native, torch", "background_compile": "on, off", "cores": ">= 1",
+           "host_backend": "native, torch", "host_allocator": "caching, system", "background_compile": "on, off", "cores": ">= 1",
            "verify_ir": "on, off", "attention_kernel": "cpu, flash"}
 
 

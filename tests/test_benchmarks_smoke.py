@@ -99,19 +99,21 @@ def test_engine_threads_quick_prints_before_and_after_a_compile():
 def test_scale_tiny_writes_a_record_per_contender_with_cpu_s_losses(tmp_path):
     out = tmp_path / "scale.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--tiny", "--workloads", "gpt2",
-                             "--tasks", "train", "--depths", "1", "--contenders", "cpu,compiled", "--steps", "3",
+                             "--tasks", "train", "--depths", "1", "--contenders", "cpu,cpu-caching,compiled", "--steps", "3",
                              "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     import json
-    cpu, compiled = json.loads(out.read_text())
-    assert "error" not in cpu and "error" not in compiled, (cpu, compiled)
-    for record in (cpu, compiled):
+    cpu, cpu_caching, compiled = json.loads(out.read_text())
+    assert not any("error" in record for record in (cpu, cpu_caching, compiled)), (cpu, cpu_caching, compiled)
+    for record in (cpu, cpu_caching, compiled):
         for field in ("cold_compile_s", "compiles", "steady_step_s", "simulated_step_s", "peak_rss_mb"):
             assert field in record
     assert compiled["compiles"] > 0 and compiled["simulated_step_s"] > 0 and compiled["mode"] == "compiled"
-    assert cpu["simulated_step_s"] is None and cpu["compiles"] == 0
-    row = next(line for line in result.stdout.splitlines() if "compiled" in line)
-    assert row.split()[-1] == "0.0", row  # the losses are CPU's, bitwise
+    assert compiled["build_wait_s"] >= 0.0  # the steady steps come after the C builds
+    assert cpu["simulated_step_s"] is None and cpu["compiles"] == 0 and cpu_caching["compiles"] == 0
+    for contender in ("cpu-caching", "compiled"):
+        row = next(line for line in result.stdout.splitlines() if contender in line)
+        assert row.split()[-1] == "0.0", row  # the losses are CPU's, bitwise
 
 
 def test_flash_attention_prints_kernel_and_todays_rows_with_bytes_linear_in_the_length():

@@ -36,7 +36,7 @@ def test_the_torch_compile_backend_is_found_through_the_entry_point_alone():
 # subpackages are layers of their own, in pipeline order; cache.disk (the signed directory that the
 # native libraries and the compiled regions are both kept in) sits below the native backend.
 LAYERS = (
-    ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads",
+    ("tilewise.errors", "tilewise.reasons", "tilewise.config", "tilewise.graphs", "tilewise.host_threads", "tilewise.host_memory",
      "tilewise.collector", "tilewise.settings_doc", "tilewise.op_facts", "tilewise.patches"),
     ("tilewise.device", "tilewise.distributed.cost"),
     ("tilewise.eager",),

@@ -18,6 +18,7 @@ from .errors import ConfigError
 MODES = ("eager", "adaptive", "compiled")
 DEVICES = ("trn1", "trn2", "trn3")
 HOST_BACKENDS = ("native", "torch")
+HOST_ALLOCATORS = ("caching", "system")
 ON_OFF = ("on", "off")
 ATTENTION_KERNELS = ("cpu", "flash")
 
@@ -156,6 +157,12 @@ SETTINGS: dict[str, Setting] = {
                             "what a compiled region runs on the host: its kernels as C compiled with the "
                             "system C compiler (native; built in the background, PyTorch meanwhile) or its "
                             "graph op by op with PyTorch's CPU kernels (torch); read each time a region runs"),
+    "host_allocator": Setting("caching", "TILEWISE_HOST_ALLOCATOR", _choice(HOST_ALLOCATORS),
+                              "what the host's C allocator (glibc's), which holds the device's HBM and every "
+                              "host value, does with freed memory: caching keeps blocks up to 32 MiB for reuse "
+                              "and gives memory back at torch.neuron.empty_cache() (tilewise/host_memory.py); "
+                              "system leaves glibc's defaults (freed blocks go back, their pages fault again); "
+                              "read at import, process-wide"),
     "background_compile": Setting("off", "TILEWISE_BACKGROUND_COMPILE", _choice(ON_OFF),
                                   "adaptive mode: on compiles regions in a compile process while the steps go "
                                   "on, their ops running eagerly until the code is ready; off: the step waits "

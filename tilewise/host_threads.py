@@ -60,23 +60,6 @@ def run_kernels_serially() -> None:
         set_count(1)
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's; absent from other C libraries
-    except (OSError, AttributeError):
-        return None
-
-
-def return_free_memory() -> None:
-    """Give the C allocator's free memory back to the system: glibc keeps what a thread frees in
-    that thread's malloc arena (and raises its mmap threshold up to 32 MB as large blocks are
-    freed, so a model's parameter-sized tensors come from the arena too)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 @contextlib.contextmanager
 def kernels_serially():
     """The calling thread's kernels run on the thread itself for the block, then with its count as

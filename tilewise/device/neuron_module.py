@@ -145,7 +145,10 @@ def reset_accumulated_memory_stats(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing is cached: freed tensors give their HBM back at once."""
+    """Give the host memory the allocator keeps for reuse back to the system (host_allocator=caching:
+    tilewise/host_memory.py). The simulated HBM caches nothing: freed tensors give it back at once."""
+    from ..host_memory import return_free_memory
+    return_free_memory()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:

@@ -21,7 +21,8 @@ import torch
 
 from ...config import config
 from ...errors import CompileError
-from ...host_threads import return_free_memory, run_kernels_serially
+from ...host_memory import return_free_memory
+from ...host_threads import run_kernels_serially
 from . import build as native
 from .later import Later
 from .build import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
