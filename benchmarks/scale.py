@@ -5,7 +5,8 @@ Per workload and contender, each in a fresh process (its own caches, its own pea
 compile seconds (tilewise: the compiles' seconds from `stats()`; inductor: the first step's time
 less a steady step's), compiles, the seconds waited after the first half of the steps for the C
 builds still under way in the background (tilewise), steady host seconds per step (median of the
-last half of the steps, which run what those builds made), simulated device seconds per steady step, peak RSS, and the largest difference of the
+last half of the steps, which run what those builds made), simulated device seconds per steady
+step, peak RSS and the resident memory after the last step, and the largest difference of the
 losses (or generated tokens) from CPU eager's run in the same table. Ratios are to CPU eager's
 figures of the same run.
 
@@ -86,6 +87,12 @@ def _steps(workload, task, depth, tiny, contender, steps):
     return generate
 
 
+def _resident_mb() -> float:
+    """Resident memory now (the peak is `ru_maxrss`), in MB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def worker(args) -> dict:
     """One contender's run, in this process."""
     import torch
@@ -120,7 +127,7 @@ def worker(args) -> dict:
     record = {"workload": args.workload, "task": args.task, "depth": args.depth, "contender": contender,
               "mode": contender if block is not None else None, "steps": args.steps,
               "step_s": times, "steady_step_s": statistics.median(steady), "results": results,
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "end_rss_mb": _resident_mb()}
     if block is not None:
         record.update(cold_compile_s=stats.compile_seconds, compiles=stats.compiles, build_wait_s=waited,
                       simulated_step_s=statistics.median(simulated[len(simulated) // 2:]),
@@ -162,6 +169,7 @@ def _row(record: dict, reference: dict | None) -> str:
         return f"{name} {record['error']}"
     ratio = record["steady_step_s"] / reference["steady_step_s"] if reference and "error" not in reference else float("nan")
     rss = record["peak_rss_mb"] / reference["peak_rss_mb"] if reference and "error" not in reference else float("nan")
+    end_rss = record["end_rss_mb"] / reference["end_rss_mb"] if reference and "error" not in reference else float("nan")
     simulated = record.get("simulated_step_s")
     compiles = record.get("compiles")
     wait = record.get("build_wait_s")
@@ -169,6 +177,7 @@ def _row(record: dict, reference: dict | None) -> str:
             f"{'-' if wait is None else f'{wait:.2f}':>8} "
             f"{record['steady_step_s']:>8.3f} {ratio:>6.2f}x "
             f"{'-' if simulated is None else f'{simulated * 1e3:.2f}':>10} {record['peak_rss_mb']:>8.0f} {rss:>5.2f}x "
+            f"{record['end_rss_mb']:>7.0f} {end_rss:>5.2f}x "
             f"{_difference(record, reference)}")
 
 
@@ -197,7 +206,7 @@ def main() -> None:
         parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
     records = []
     print(f"{'workload':<10} {'task':<8} {'contender':<11} {'compile s':>9} {'compiles':>8} {'C wait s':>8} {'step s':>8} "
-          f"{'vs cpu':>7} {'sim ms':>10} {'rss MB':>8} {'vs cpu':>6} max diff from cpu")
+          f"{'vs cpu':>7} {'sim ms':>10} {'peak MB':>8} {'vs cpu':>6} {'end MB':>7} {'vs cpu':>6} max diff from cpu")
     for workload in args.workloads.split(","):
         for task in args.tasks.split(","):
             for depth in (int(d) for d in args.depths.split(",")):

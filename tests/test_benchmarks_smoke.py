@@ -106,7 +106,7 @@ def test_scale_tiny_writes_a_record_per_contender_with_cpu_s_losses(tmp_path):
     cpu, cpu_caching, compiled = json.loads(out.read_text())
     assert not any("error" in record for record in (cpu, cpu_caching, compiled)), (cpu, cpu_caching, compiled)
     for record in (cpu, cpu_caching, compiled):
-        for field in ("cold_compile_s", "compiles", "steady_step_s", "simulated_step_s", "peak_rss_mb"):
+        for field in ("cold_compile_s", "compiles", "steady_step_s", "simulated_step_s", "peak_rss_mb", "end_rss_mb"):
             assert field in record
     assert compiled["compiles"] > 0 and compiled["simulated_step_s"] > 0 and compiled["mode"] == "compiled"
     assert compiled["build_wait_s"] >= 0.0  # the steady steps come after the C builds
