@@ -264,8 +264,7 @@ class Runtime:
         try:
             return execute(func, args, kwargs)
         finally:
-            DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
-                                 reason=str(reason))
+            DEVICE.timeline.eager_op(plan_of(func).name, started, time.perf_counter() - started, str(reason))
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts
