@@ -172,8 +172,10 @@ SETTINGS: dict[str, Setting] = {
                                 "values bitwise) or tilewise.kernels' FlashAttention kernel where it applies "
                                 "(flash; equal to CPU within the dtype's tolerance, elsewhere CPU's kernel with "
                                 "the reason in stats().tile_kernels_declined); read at each call"),
-    "timeline_events": Setting(100_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
-                               "most recent kernels the timeline keeps for trace export"),
+    "timeline_events": Setting(20_000, "TILEWISE_TIMELINE_EVENTS", _int_at_least(0),
+                               "most recent kernels, and of flushes, eager ops and compiles each, that a "
+                               "core's timeline keeps for trace export and the explorer (~160 bytes per "
+                               "event, taken at the first record: 3 MiB at the default)"),
     "verify_ir": Setting("off", "TILEWISE_VERIFY_IR", _choice(ON_OFF),
                          "debug: on checks the compiler's region and tile IR against its spec after every pass "
                          "(tilewise/compiler/ir/verify.py); a violation raises IRError naming the pass"),

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .policy import Mode, Settings, compiles_in_background
 from .regions import CompiledEntry
 from .compiling import Compiling
-from .runtime import ENGINE_EXITED, OPTIMIZER_STEP, Runtime
+from .runtime import ENGINE_EXITED, OPTIMIZER_STEP, OPTIMIZER_STEPPED, Runtime
 from .stats import Stats
 from .tracer import Tracer
 
@@ -64,37 +64,48 @@ class engine:
 
 
 class _OptimizerSteps:
-    """An optimizer's step starts a segment of its own while an engine block is open (a global
-    optimizer pre-hook, registered while any block is open, in any thread). The step is where a
-    training step's graph changes between its first and second run (the optimizer creates its
-    state), so the forward and backward before it compile once, and only the optimizer's region
-    compiles again; and a loop that reads no value still records one step's optimizer, forward and
-    backward per segment, the unit that recurs."""
+    """An optimizer's step is a segment of its own while an engine block is open (global optimizer
+    pre- and post-hooks, registered while any block is open, in any thread). A training loop's
+    units are then the forward and backward, and the optimizer's step, wherever the program reads a
+    value: a read between the step and the next forward falls on a unit's edge and cuts nothing new,
+    a loop that reads no value records one unit per segment, and the first step's graph (where the
+    optimizer creates its state) differs from later ones only in the optimizer's unit, so the
+    forward and backward compile once."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.blocks = 0
-        self.handle = None
+        self.handles: list = []
 
     def watch(self) -> None:
         with self.lock:
             self.blocks += 1
-            if self.handle is None:
-                from torch.optim.optimizer import register_optimizer_step_pre_hook
-                self.handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+            if not self.handles:
+                from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+                self.handles = [register_optimizer_step_pre_hook(_before_optimizer_step),
+                                register_optimizer_step_post_hook(_after_optimizer_step)]
 
     def unwatch(self) -> None:
         with self.lock:
             self.blocks -= 1
-            if not self.blocks and self.handle is not None:
-                self.handle.remove()
-                self.handle = None
+            if not self.blocks:
+                for handle in self.handles:
+                    handle.remove()
+                self.handles = []
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    _flush_if_lazy(OPTIMIZER_STEP)
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _flush_if_lazy(OPTIMIZER_STEPPED)
+
+
+def _flush_if_lazy(reason: str) -> None:
     mode = _get_current_dispatch_mode()
     if isinstance(mode, Tracer) and mode.lazy:
-        RUNTIME.flush(OPTIMIZER_STEP)
+        RUNTIME.flush(reason)
 
 
 _OPTIMIZER_STEPS = _OptimizerSteps()

@@ -78,10 +78,7 @@ def segment_event(number: int, segment: Segment, graph, stable: set, steps, dyna
 
 def host_spans(number: int, reason: str, ops: int, traced_from: float, started: float, clock: float) -> None:
     """The segment's spans on the timeline's host lanes: recording its ops, then the flush."""
-    timeline = DEVICE.timeline
-    timeline.host("tracing", f"segment {number}", traced_from, started - traced_from, ops=ops)
-    timeline.host("flush", f"flush: {reason}", started, time.perf_counter() - started, segment=number, ops=ops,
-                  simulated_us=[clock * 1e6, timeline.clock * 1e6])
+    DEVICE.timeline.flush_spans(number, reason, ops, traced_from, started, time.perf_counter(), clock)
 
 
 def replay_event(number: int, segment: Segment, steps, dynamic: bool) -> SegmentRan:

@@ -47,6 +47,7 @@ from .tracer import Tracer, outside_tracers
 aten = torch.ops.aten
 ENGINE_EXITED = "engine exited"
 OPTIMIZER_STEP = "optimizer step"  # a flush before an optimizer's step (engine.py)
+OPTIMIZER_STEPPED = "optimizer step done"  # a flush after an optimizer's step (engine.py)
 CORE_CHANGE = "an op on another NeuronCore"
 SETTINGS_CHANGE = "an op of another engine block"
 # A segment keeps the buffer of every op it recorded until it is computed, the ones the program
@@ -263,8 +264,7 @@ class Runtime:
         try:
             return execute(func, args, kwargs)
         finally:
-            DEVICE.timeline.host("eager ops", plan_of(func).name, started, time.perf_counter() - started,
-                                 reason=str(reason))
+            DEVICE.timeline.eager_op(plan_of(func).name, started, time.perf_counter() - started, str(reason))
 
     def _enter_core(self, args, kwargs) -> Reason | None:
         """Keep a segment on one core: an op on another core flushes the segment first and starts
