@@ -98,16 +98,31 @@ def _fake_stream(finder, ops, search_ops):
     return actions
 
 
-def test_a_step_that_repeats_inside_is_not_searched_for_ever_when_reads_end_each_step():
-    """Identical layers forward, then backward, in a step longer than a search, read every step:
-    each search finds a layer, forward and backward take turns; after they have alternated once
-    the searches wait longer than a step, and segments end at the reads, as without a finder."""
+def test_layers_that_repeat_inside_a_step_are_each_cut_in_every_later_step():
+    """Identical layers forward, then others backward, in a step longer than a search, read every
+    step (a transformer's training step, whose optimizer's step ends it): the first step's
+    searches find a forward layer and a backward one, and every later step is cut at each layer of
+    both with no search (no ops run eagerly while searched)."""
     from types import SimpleNamespace
     from tilewise.adaptive.stats import StepStats
     finder = P.StepFinder(SimpleNamespace(steps=StepStats()))
     step = ["f1", "f2", "f3", "f4"] * 10 + ["b1", "b2", "b3", "b4"] * 10 + ["read"]
-    learned = [_fake_stream(finder, step, 32).count(StepAction.LEARN) for _ in range(6)]
-    assert learned[0] == 2 and learned[2:] == [0, 0, 0, 0], learned
+    actions = [_fake_stream(finder, step, 32) for _ in range(6)]
+    assert [a.count(StepAction.LEARN) for a in actions] == [2, 0, 0, 0, 0, 0], actions[0]
+    for later in actions[1:]:
+        assert later.count(StepAction.CUT) == 20 and StepAction.CUT_EAGER not in later, later
+
+
+def test_a_step_found_again_uncut_backs_the_searches_off():
+    """A search that finds a step its matcher already knows saw that step recur uncut: the next
+    searches wait twice as long each time, so such a stream is not searched for ever."""
+    from types import SimpleNamespace
+    from tilewise.adaptive.stats import StepStats
+    finder = P.StepFinder(SimpleNamespace(steps=StepStats()))
+    segment = SimpleNamespace(nodes=[SimpleNamespace(func=op, inputs=[0], srcs=[]) for op in ["a", "b", "c", "d"] * 8])
+    assert finder._search(segment) is StepAction.LEARN and finder.backoff == 1
+    assert finder._search(segment) is StepAction.LEARN and finder.backoff == 2
+    assert len(finder.matchers) == 1
 
 
 # -- the policy's table -----------------------------------------------------------------------------

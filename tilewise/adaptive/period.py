@@ -141,19 +141,21 @@ class StepMatcher:
 
 
 class StepFinder:
-    """The runtime's step finder: after each recorded op, what to do (policy.step_action), with
-    the matcher of the step last found. Searches and cuts are counted in `stats.steps`."""
+    """The runtime's step finder: after each recorded op, what to do (policy.step_action), with a
+    matcher for each step found. Searches and cuts are counted in `stats.steps`.
+
+    A step can hold several that recur inside it (identical layers forward, then others backward):
+    each search that finds one adds its matcher, and from then on every matcher is fed each op, so
+    a later step is cut at each of them without being searched again."""
 
     def __init__(self, stats):
         self.stats = stats
-        self.matcher: StepMatcher | None = None
+        self.matchers: dict[tuple, StepMatcher] = {}  # by the step's keys, oldest first
         self.search_at = _NEVER           # the current segment's length at its next search (set at its first op)
         self.rest_of_found_step = False   # the next step to end began in the segment searched
-        # Steps found before. One found again after another replaced it means the stream
-        # alternates between them, as when a step is longer than a search and repeats inside
-        # (identical layers forward, then backward): each search after the first waits `backoff`
-        # times longer, until a search holds the whole step or a read ends the segment first.
-        self.found: set[tuple] = set()
+        # A search that finds a step already matched saw it recur uncut (a step longer than a
+        # search that repeats inside): each search after it waits `backoff` times longer, until a
+        # search holds the whole step or a read ends the segment first.
         self.backoff = 1
 
     def after_record(self, segment: Segment, search_ops: int) -> StepAction:
@@ -162,7 +164,11 @@ class StepFinder:
         nodes = segment.nodes
         if len(nodes) == 1:  # a new segment
             self.search_at = search_ops * self.backoff or _NEVER
-        step_ends = self.matcher is not None and self.matcher.feed(op_key(nodes[-1]))
+        step_ends = False
+        if self.matchers:
+            key = op_key(nodes[-1])
+            for matcher in self.matchers.values():  # every matcher: each keeps its own place
+                step_ends |= matcher.feed(key)
         if not step_ends and len(nodes) < self.search_at:
             return StepAction.RECORD
         action = step_action(step_ends=step_ends, rest_of_found_step=self.rest_of_found_step,
@@ -180,11 +186,12 @@ class StepFinder:
             counts.no_period[found] += 1
             self.search_at *= 2
             return after_search(found_period=False)
-        if found.keys in self.found and (self.matcher is None or self.matcher.keys != found.keys):
+        if found.keys in self.matchers:
             self.backoff *= 2
-        elif len(self.found) < _REMEMBERED:
-            self.found.add(found.keys)
-        self.matcher = StepMatcher(found)
+            del self.matchers[found.keys]  # made anew below, as the step found last
+        elif len(self.matchers) == _MATCHERS:
+            del self.matchers[next(iter(self.matchers))]
+        self.matchers[found.keys] = StepMatcher(found)
         self.rest_of_found_step = found.into_step > 0
         counts.found += 1
         counts.period = len(found.keys)
@@ -193,4 +200,4 @@ class StepFinder:
 
 
 _NEVER = 1 << 62
-_REMEMBERED = 64  # steps kept in StepFinder.found
+_MATCHERS = 8  # steps StepFinder matches at once; a ninth found replaces the oldest
