@@ -5,11 +5,11 @@ allocator does (torch.cuda's), with `host_allocator=caching`.
 glibc's defaults give memory back eagerly: a block past the mmap threshold (raised as blocks are
 freed, to 32 MiB at most) is mapped afresh each time, and once the free top of the heap passes the
 trim threshold it goes back to the system. Every page of the next block of that size then faults
-again on its first touch. A GPT-2 124M training step allocates and frees about 0.5-0.7 GB so (its
-optimizer's temporaries over all parameters): 140-190K page faults per step on the CPU, a fifth to
-a third of the step's host time (benchmarks/scale.py). Caching fixes the mmap threshold at glibc's
-largest and trims only when asked (`torch.neuron.empty_cache()`), so blocks up to 32 MiB are
-reused; larger ones are still mapped per allocation, which bounds what the cache keeps.
+again on its first touch. AdamW's foreach update makes one temporary per parameter, all alive at
+once: a GPT-2 124M compiled step took 370-640K page faults and 1.7x CPU eager's host time so, and
+1.0x with caching (benchmarks/scale.py, docs/benchmarks.md). Caching fixes the mmap threshold at
+glibc's largest and trims only when asked (`torch.neuron.empty_cache()`), so blocks up to 32 MiB
+are reused; larger ones are still mapped per allocation, which bounds what the cache keeps.
 
 Process-wide: the program's own CPU tensors share the allocator. Without glibc (another C library)
 nothing changes.
