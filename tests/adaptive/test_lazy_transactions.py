@@ -430,8 +430,8 @@ def test_a_signal_handler_that_raises_during_a_flush_raises_after_it_with_each_s
     want = x_cpu * 2 + 1
     original, sent = StepRunner._run_step, []
 
-    def step_then_signal(runner, segment, step):
-        original(runner, segment, step)
+    def step_then_signal(runner, segment, step, stats):
+        original(runner, segment, step, stats)
         if not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGALRM)  # its handler raises as the step returns

@@ -96,7 +96,7 @@ class Runtime:
         self.events.subscribe(events.RegionCompiled, lambda event: self.counting().on_compiled(event))
         # Steps of a flush that an interrupt stopped: (segment, steps), run first at the next flush.
         self.unfinished: list = []
-        self.runner = StepRunner(self.stats, self.unfinished)
+        self.runner = StepRunner(self.counting, self.unfinished)
         # its parts, each given what it uses: sizes that change, regions, segment plans
         self.generic = GenericSites(self.memory, self.stats, self.events)
         self.compiler = RegionCompiler(self.memory, self.stats, self.events, self.generic)

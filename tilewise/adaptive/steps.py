@@ -2,11 +2,11 @@
 
 An op that fails raises its error after every other value is computed (a step that fails again
 has its outputs filled, never left unwritten); an interrupt leaves the steps not yet run queued in
-`unfinished`, for the next read to compute. The runtime holds one StepRunner, given its statistics
-and its queue of unfinished work."""
+`unfinished`, for the next read to compute. The runtime holds one StepRunner, given where its statistics
+are counted now and its queue of unfinished work."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from . import regions
 from .analysis import NodeStep
@@ -18,16 +18,18 @@ if TYPE_CHECKING:
 
 
 class StepRunner:
-    """Runs a segment's steps, counting them in `stats`; work an interrupt stopped goes to the
-    front of `unfinished` (the runtime's queue, shared)."""
+    """Runs a segment's steps, counting them in the statistics `counting()` gives (resolved once
+    per run: the thread's, or the recording thread's while it flushes); work an interrupt stopped
+    goes to the front of `unfinished` (the runtime's queue, shared)."""
 
-    def __init__(self, stats: Stats, unfinished: list):
-        self.stats, self.unfinished = stats, unfinished
+    def __init__(self, counting: Callable[[], Stats], unfinished: list):
+        self.counting, self.unfinished = counting, unfinished
 
     def run(self, segment: Segment, steps) -> None:
+        stats = self.counting()
         for done, step in enumerate(steps):
             try:
-                self._run_step(segment, step)
+                self._run_step(segment, step, stats)
             except Exception:
                 # An op failed (as it would have eagerly, where the user sees it): raise it, but
                 # first compute everything else, so no value the program holds stays unwritten.
@@ -40,9 +42,10 @@ class StepRunner:
     def run_tolerant(self, segment: Segment, steps) -> None:
         """Run steps after a failure: a step that fails again has its outputs filled (NaN, or zero
         for integers), never left as unwritten memory."""
+        stats = self.counting()
         for done, step in enumerate(steps):
             try:
-                self._run_step(segment, step)
+                self._run_step(segment, step, stats)
             except Exception:
                 if isinstance(step, RegionStep):
                     self.run_tolerant(segment, _node_steps(step))
@@ -52,18 +55,18 @@ class StepRunner:
                 self.unfinished.insert(0, Unfinished(segment, list(steps[done:])))
                 raise
 
-    def _run_step(self, segment: Segment, step: NodeStep | RegionStep) -> None:
+    def _run_step(self, segment: Segment, step: NodeStep | RegionStep, stats: Stats) -> None:
         if isinstance(step, NodeStep):
             node = segment.nodes[step.index]
             if node.kind != VIEW:  # a view was taken at record time: no op runs now
                 regions.replay(node)
-                self.stats.ops_eager += node.plan.kernel  # an allocation is no compute op
+                stats.ops_eager += node.plan.kernel  # an allocation is no compute op
             return
         region, entry = step.region, step.entry
         entry.run(segment, region)
-        self.stats.ops_compiled += len(region.nodes)
-        self.stats.cache_hits += entry.reused
-        detail = self.stats.regions.get(entry.name)
+        stats.ops_compiled += len(region.nodes)
+        stats.cache_hits += entry.reused
+        detail = stats.regions.get(entry.name)
         if detail is not None:
             detail.hits += entry.reused
             detail.kernels = entry.kernels

@@ -98,8 +98,9 @@ class Device:
         run a kernel, as a process of its own."""
         trace = self.cores[0].timeline.chrome_trace()
         for core in self.cores[1:]:
-            if core.timeline.events:
-                lanes, kernels = core.timeline.device_events()
+            kept = core.timeline.events  # a list made at each access
+            if kept:
+                lanes, kernels = core.timeline.device_events(kept)
                 trace["traceEvents"] += lanes + kernels
         return trace
 

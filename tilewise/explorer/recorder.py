@@ -176,8 +176,8 @@ class Recorder:
 
     def _snapshot(self) -> dict:
         timeline = DEVICE.timeline
-        kernels = [k for k in list(timeline.events) if k.start >= self._clock]
-        host = [e for e in list(timeline.host_events) if e.start >= self._host]
+        kernels = [k for k in timeline.events if k.start >= self._clock]
+        host = [e for e in timeline.host_events if e.start >= self._host]
         trace = timeline.chrome_trace(kernels, host)
         entries = [e for e in dict.fromkeys(list(RUNTIME.memory.regions.values())) if isinstance(e, CompiledEntry)]
         return {
