@@ -62,5 +62,7 @@ def test_tensor_parallel_runs_again_and_again_in_one_cache_and_four_processes_at
             assert rank["cache"]["corrupt"] == 0 and rank["libraries"] >= 1
     first, second = runs[0][0]["cache"], runs[1][0]["cache"]
     assert first["compiles"] >= 1 and first["disk_writes"] >= 1
-    assert second["compiles"] == 0 and second["disk_hits"] == first["disk_writes"]
+    # every entry rank 0 used in the first run it wrote, or read from disk where rank 1 wrote it
+    # first (the two ranks compile the same regions at once): the second run reads them all
+    assert second["compiles"] == 0 and second["disk_hits"] == first["disk_writes"] + first["disk_hits"]
     assert second["native_disk_hits"] >= 1  # the C built by the first run, called on the collective's result
