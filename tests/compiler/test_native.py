@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_methods_invocations import op_db
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import tilewise
 from tilewise.adaptive.engine import RUNTIME
 from tilewise.adaptive.regions import CompiledEntry
@@ -189,6 +191,84 @@ def test_adamw_steps_on_native_regions_are_bitwise_cpus(monkeypatch):
     assert stats.ops_compiled > 0, stats.report()
     for g, e in zip(got, expected):
         assert torch.equal(g, e), (g != e).sum()
+
+
+class _WriteBacks(TorchDispatchMode):
+    """Records each copy_ as (destination, source)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.copies.append((args[0], args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_optimizers_updates_are_computed_into_its_parameters_and_moments():
+    """A momentum step's C writes each new moment and parameter over the old one, element by
+    element after reading it: no buffer of its own (GPT-2's AdamW held 1.4 GB of them at once),
+    and each write-back copies a tensor onto itself."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 33), (33,), (5, 7, 3)]
+    params = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [torch.randn(s, generator=generator) for s in shapes]
+    moments = [torch.randn(s, generator=generator) for s in shapes]
+
+    def step(*flat):
+        ps, gs, ms = list(flat[:3]), list(flat[3:6]), list(flat[6:])
+        torch._foreach_mul_(ms, 0.9)
+        torch._foreach_add_(ms, gs)
+        torch._foreach_add_(ps, ms, alpha=-0.1)
+        return ()
+
+    compiled = compiled_native(step, params + grads + moments)
+    assert native_calls(compiled) == 1
+    inputs = [t.clone() for t in params + grads + moments]
+    expected = [t.clone() for t in params + grads + moments]
+    step(*expected)
+    with _WriteBacks() as spy:
+        compiled.run(*inputs)
+    assert len(spy.copies) == 6 and all(destination is source for destination, source in spy.copies)
+    assert all(torch.equal(g, e) for g, e in zip(inputs, expected))
+
+
+def test_a_kernel_reading_its_target_at_other_elements_writes_its_result_aside():
+    """`p.copy_(p.t() * 2 + g)`: element (i, j) of the result reads (j, i) of p (through a view
+    outside the kernel), which an update in place would already have overwritten."""
+    p, g = torch.randn(16, 16), torch.randn(16, 16)
+
+    def step(p, g):
+        p.copy_(p.t() * 2 + g)
+        return ()
+
+    compiled = compiled_native(step, [p, g])
+    assert native_calls(compiled) == 1
+    got, expected = p.clone(), p.clone()
+    step(expected, g)
+    with _WriteBacks() as spy:
+        compiled.run(got, g)
+    assert spy.copies and all(destination is not source for destination, source in spy.copies)
+    assert torch.equal(got, expected)
+
+
+def test_an_update_whose_target_shares_memory_with_another_input_writes_aside():
+    """Two inputs over one storage at run time (the compile saw two tensors): the kernel would
+    read, through the other input, what it had already written."""
+    def step(p, q):
+        p.mul_(2).add_(q)
+        return ()
+
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    compiled = compiled_native(step, [x, y])
+    with _WriteBacks() as spy:
+        compiled.run(x.clone(), y)
+    assert all(destination is source for destination, source in spy.copies)
+    buffer = torch.randn(2, 8, 8)
+    with _WriteBacks() as spy:
+        compiled.run(buffer[0], buffer[1])
+    assert spy.copies and all(destination is not source for destination, source in spy.copies)
 
 
 def test_a_kernel_over_more_tensors_than_a_c_call_takes_arguments_runs_in_c():

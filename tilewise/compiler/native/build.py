@@ -14,6 +14,7 @@ executed.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import functools
 import hashlib
@@ -68,6 +69,17 @@ class NativeProgram:
     @functools.cached_property
     def source(self) -> str:
         return translation_unit(list(self.kernels)) if self.kernels else ""
+
+    def computed(self) -> dict[str, tuple | None]:
+        """The graph's nodes the kernels compute: the layout (size, strides, storage offset,
+        dtype) of each one the graph reads after its kernel, None for a kernel's inner values."""
+        outputs = {arg.ref.node: arg.ref for kernel in self.kernels for arg in kernel.outputs}
+        layouts = {}
+        for kernel in self.kernels:
+            for node in kernel.nodes:
+                ref = outputs.get(node)
+                layouts[node] = None if ref is None else (*_layout(ref)[:2], 0, ref.dtype)
+        return layouts
 
     def __str__(self) -> str:
         lines = [f"# native host code: {len(self.kernels)} kernels in C, {len(self.refused)} on PyTorch"]
@@ -298,9 +310,13 @@ def checked_symbol(library, ckernel: CKernel):
 class _KernelCall:
     """Calls one C kernel: the input tensors' addresses (relaid out to the compiled strides if they
     come otherwise), its outputs' addresses: fresh tensors in the region's strides, or for an output
-    the region returns, the buffer it is to end in (`destinations`) where that is laid out alike."""
+    the region returns, the buffer it is to end in (`destinations`) where that is laid out alike,
+    or for an output only written back to an input (`in_place`), that input itself where it is
+    laid out alike and shares no memory with another input (the write-back then copies a tensor
+    onto itself, which PyTorch's copy_ skips)."""
 
-    def __init__(self, ckernel: CKernel, function, destinations: threading.local, returned: dict[str, int]):
+    def __init__(self, ckernel: CKernel, function, destinations: threading.local, returned: dict[str, int],
+                 in_place: dict[str, str]):
         self.name = ckernel.name
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.POINTER(ctypes.c_int64)]
@@ -316,10 +332,15 @@ class _KernelCall:
         # (output index, the region's output position, the layout a buffer must have) per returned output
         self.returned = [(index, returned[node], _layout(refs[node])) for index, node in enumerate(self.output_nodes)
                          if node in returned]
+        # (output index, the input's position in the call, the layout it must have) per output written in place
+        self.in_place = [(index, self.input_nodes.index(in_place[node]), _layout(refs[node]))
+                         for index, node in enumerate(self.output_nodes) if node in in_place]
 
     def __call__(self, *tensors):
         held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
         outputs = self.given_or_fresh() if self.returned else [allocate() for allocate in self.allocations]
+        if self.in_place:
+            self.write_in_place(outputs, tensors, held)
         addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
         if self.function(self.addresses(*addresses)) != 0:
             raise IndexOutOfRange(self.name)
@@ -338,6 +359,20 @@ class _KernelCall:
                         and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
                     outputs[index] = buffer
         return [allocate() if out is None else out for out, allocate in zip(outputs, self.allocations)]
+
+    def write_in_place(self, outputs: list, tensors: tuple, held: list) -> None:
+        """Each output written back to an input becomes that input, where the input is a plain CPU
+        tensor laid out as the kernel writes the output and no other tensor the kernel reads
+        shares its storage (the kernel would read what it has already overwritten)."""
+        storages = collections.Counter(t.untyped_storage().data_ptr() for t in held)
+        for index, position, layout in self.in_place:
+            target = tensors[position]
+            if type(target) not in _DENSE or target.device.type != "cpu" \
+                    or (target.shape, target.stride(), target.dtype) != layout:
+                continue
+            readers = sum(t is target for t in held)  # the kernel's own reads of the target
+            if storages[target.untyped_storage().data_ptr()] == readers:
+                outputs[index] = target
 
     def prepared(self, tensor: torch.Tensor, arg) -> torch.Tensor:
         """The tensor the kernel reads (its view's offset is in the C): the input itself, or a copy
@@ -402,12 +437,72 @@ def executable(gm: torch.fx.GraphModule, program: NativeProgram, library,
         if ckernel.name in done:
             continue
         done.add(ckernel.name)
-        call = _KernelCall(ckernel, checked_symbol(library, ckernel), destinations, returned)
+        call = _KernelCall(ckernel, checked_symbol(library, ckernel), destinations, returned,
+                           written_in_place(gm, ckernel, returned))
         function = _named(call, f"native_{ckernel.name}")
         result = graph.call_function(function, tuple(env[name] for name in call.input_nodes))
         for index, name in enumerate(call.output_nodes):
             env[name] = graph.call_function(operator.getitem, (result, index))
     return torch.fx.GraphModule(gm, graph)
+
+
+def written_in_place(gm: torch.fx.GraphModule, ckernel: CKernel, returned: dict) -> dict[str, str]:
+    """output node -> the input it may be computed into: an optimizer's update of a parameter or
+    a moment, `copy_(input, kernel's output)`, needs no buffer of its own when the kernel can write
+    the input as it goes. So where, element for element, every read of the input comes before the
+    output's write: the kernel is element-wise with no early exit (a run it stops halfway is run
+    again by the recorded graph, which must read the inputs as they were), reads the input only in
+    the output's own tiles (the same view of the same layout) and only on the way to the output
+    (every reader of the input is the output or computes it), and nothing outside the kernel reads
+    the input but the write-back. The C kernel is then run with output and input at one address;
+    the output's other readers read the input, which holds the output's value from then on."""
+    if ckernel.kind not in ("elementwise", "optimizer") or "return 1;" in ckernel.source:
+        return {}
+    nodes = {node.name: node for node in gm.graph.nodes}
+    inside = set(ckernel.nodes)
+    reads = {}
+    for arg in ckernel.inputs:
+        reads.setdefault(arg.ref.node, []).append(arg)
+    writes = {}
+    for arg in ckernel.outputs:
+        writes.setdefault(arg.ref.node, []).append(arg)
+    chosen = {}
+    for name, (arg, *more) in writes.items():
+        node = nodes[name]
+        backs = [u for u in node.users if u.target is torch.ops.aten.copy_.default and u.args[1] is node
+                 and isinstance(u.args[0], torch.fx.Node) and u.args[0].op == "placeholder"]
+        if more or name in returned or not backs:
+            continue
+        user = backs[0]
+        target = user.args[0]
+        if target.name not in reads or target.name in chosen.values():
+            continue
+        if not all(_same_elements(read, arg) for read in reads[target.name]):
+            continue
+        computing = _ancestors(node, inside)  # the kernel's nodes only: a view outside it reads elsewhere
+        if all(u is user or u is node or u in computing for u in target.users):
+            chosen[name] = target.name
+    return chosen
+
+
+def _ancestors(node: torch.fx.Node, inside: set) -> set:
+    """The kernel's nodes `node` is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg.name in inside and arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
+def _same_elements(read, write) -> bool:
+    """Whether the kernel reads the input (`read`) at the elements and in the tiles it writes the
+    output (`write`) at: the same tensor layout, seen through the same 2-D view."""
+    a, b = read.ref, write.ref
+    return not read.materialise and (a.shape, a.stride, a.dtype, a.view or a.shape, a.rows_cols, a.col_offset) \
+        == (b.shape, b.stride, b.dtype, b.view or b.shape, b.rows_cols, b.col_offset) \
+        and (read.strides, read.offset) == (write.strides, write.offset)
 
 
 def _named(call, name: str):

@@ -50,6 +50,7 @@ class CKernel:
     inputs: tuple[HbmArg, ...]
     outputs: tuple[HbmArg, ...]
     source: str
+    kind: str = "elementwise"  # the tile kernel's (tile_ir.Kernel.kind)
 
 
 @dataclass
@@ -492,7 +493,7 @@ def kernel_c(kernel: Kernel, symbol: str) -> CKernel:
     source = KernelWriter(kernel, symbol, args).write()
     inputs = tuple(args[name] for name in kernel.inputs)
     outputs = tuple(args[name] for name in kernel.outputs)
-    return CKernel(kernel.name, symbol, kernel.nodes, inputs, outputs, source)
+    return CKernel(kernel.name, symbol, kernel.nodes, inputs, outputs, source, kernel.kind)
 
 
 def layouts(kernel: CKernel) -> str:
