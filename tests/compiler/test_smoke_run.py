@@ -59,9 +59,9 @@ def _smoke_runs_of(fn, inputs, monkeypatch) -> tuple:
     runs = []
     real = driver.smoke_run
 
-    def counted(*args):
-        runs.append(args[-1])
-        return real(*args)
+    def counted(decomposed, recorded, layouts, kind, computed=None):
+        runs.append(kind)
+        return real(decomposed, recorded, layouts, kind, computed)
 
     monkeypatch.setattr(driver, "smoke_run", counted)
     with tilewise.config.patch(host_backend="native"):
@@ -132,3 +132,41 @@ def test_the_smoke_run_holds_one_parameters_zeros_at_a_time(monkeypatch):
     monkeypatch.setattr(driver.InputLayout, "zeros", counted)
     assert compiled.check_decomposition()
     assert most[0] <= 6, most[0]  # of 120 inputs
+
+
+def test_the_builds_check_runs_only_what_its_c_leaves_to_pytorch():
+    """With the C program it is built with, the check runs the nodes the executable runs on
+    PyTorch (here the write-backs), reading the kernels' results as zeros, not the update's
+    arithmetic over every parameter's zeros again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tilewise.compiler.native import build as native
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    n = 6
+    inputs = [torch.randn(16, 8) for _ in range(3 * n)]
+
+    def step(*flat):
+        ps, gs, ms = list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:])
+        torch._foreach_mul_(ms, 0.9)
+        torch._foreach_add_(ms, gs)
+        torch._foreach_add_(ps, ms, alpha=-0.1)
+
+    compiled = compile_graph(_traced(step, *[t.clone() for t in inputs]), inputs, spec=TRN2, name="smoke")
+    program = compiled.native
+    assert len(program.kernels) == 1
+    with Ops() as whole:
+        assert compiled.check_decomposition()
+    with Ops() as left:
+        assert compiled.check_decomposition(program)
+    assert {"mul", "add"} <= whole.ops and not {"mul", "add"} & left.ops and "copy_" in left.ops, (whole.ops, left.ops)

@@ -67,10 +67,11 @@ class HostExecutable:
     Shared by every relabelled copy of a cached region, so one background build serves them all."""
 
     def __init__(self, gm: torch.fx.GraphModule, program: Later[NativeProgram], source: torch.fx.GraphModule,
-                 check: Callable[[], bool] = lambda: True):
+                 check: Callable[[NativeProgram], bool] = lambda program: True):
         self.torch_forward = gm.forward  # the decomposed graph: the C's reference
         self.gm, self.program = gm, program
-        self.check = check  # runs the decomposed graph once before the C is built (CompiledRegion.check_decomposition)
+        # runs what the executable runs on PyTorch once before the C is built (CompiledRegion.check_decomposition)
+        self.check = check
         self.source_forward = source.forward
         self.forward = self.source_forward
         # there is C to build unless the kernels are known to have none (`program` already made)
@@ -169,22 +170,22 @@ class HostExecutable:
 
     def build_now(self) -> None:
         try:
-            checked = self.check()
-        except CompileError as error:
-            self._fail(f"tilewise: the region's C is not built: {error}; the region keeps its PyTorch executable")
-            return
-        finally:
-            return_free_memory()  # the check's zeros and values, freed into this thread's arena
-        if not checked:  # the zeros' fault: the decomposed graph is unchecked, no C
-            self.buildable, self.tier = False, Tier.TORCH
-            return
-        try:
             program = self.program()
         except Exception as error:  # noqa: BLE001 - whatever fails, the region runs on without C
             self._fail(f"tilewise: the region's C could not be generated ({type(error).__name__}: {error}); "
                        f"the region keeps its PyTorch executable")
             return
         if not program.kernels:  # every kernel stays on PyTorch: nothing to build
+            self.buildable, self.tier = False, Tier.TORCH
+            return
+        try:
+            checked = self.check(program)
+        except CompileError as error:
+            self._fail(f"tilewise: the region's C is not built: {error}; the region keeps its PyTorch executable")
+            return
+        finally:
+            return_free_memory()  # the check's zeros and values, freed into this thread's arena
+        if not checked:  # the zeros' fault: the decomposed graph is unchecked, no C
             self.buildable, self.tier = False, Tier.TORCH
             return
         try:
