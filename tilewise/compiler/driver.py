@@ -19,6 +19,7 @@ from ..op_facts import COMPOSITE, MATERIALIZED
 from .native.c_exprs import NativeReason
 from .passes.decompose import decompose, flat_module, host_factories, rounds_otherwise
 from .passes.emit import emit
+from .passes.foreach_parts import foreach_in_turn
 from .ir.interpreter import interpret
 from .ir.verify import verify
 from .passes.lower import lower
@@ -205,8 +206,8 @@ def compile_uncached(gm: torch.fx.GraphModule, example_inputs, spec: DeviceSpec,
 def source_graph(gm: torch.fx.GraphModule, example_inputs=()) -> torch.fx.GraphModule:
     """The graph as given, ready to run on host buffers: positional inputs, host factories, each
     op as the host runs it (`_host_target`, through its Python binding where `example_inputs`
-    show the binding dispatches that op: bindings.py), and its outputs as the flat tuple the
-    decomposed graph returns."""
+    show the binding dispatches that op: bindings.py), foreach ops one list element at a time
+    (foreach_parts.py), and its outputs as the flat tuple the decomposed graph returns."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(host_factories(flat_module(gm)).graph, {})
     graph.output(tuple(pytree.tree_leaves(out)))
@@ -215,6 +216,7 @@ def source_graph(gm: torch.fx.GraphModule, example_inputs=()) -> torch.fx.GraphM
             node.target = _host_target(node.target)
     source = torch.fx.GraphModule(gm, graph)
     rounding = rounds_otherwise(source)
+    source = foreach_in_turn(source)
     source = bindings.bound(source, example_inputs) if example_inputs else source
     source.meta[ROUNDS_OTHERWISE] = rounding
     return source

@@ -338,19 +338,21 @@ class _KernelCall:
 
     def __call__(self, *tensors):
         held = [self.prepared(tensors[position], arg) for position, arg in self.inputs]  # alive until the call returns
-        outputs = self.given_or_fresh() if self.returned else [allocate() for allocate in self.allocations]
+        outputs: list = [None] * len(self.allocations)
+        if self.returned:
+            self.given(outputs)
         if self.in_place:
-            self.write_in_place(outputs, tensors, held)
+            self.written_in_place(outputs, tensors, held)
+        outputs = [allocate() if out is None else out for out, allocate in zip(outputs, self.allocations)]
         addresses = [tensor.data_ptr() for tensor in held] + [outputs[position].data_ptr() for position in self.outputs]
         if self.function(self.addresses(*addresses)) != 0:
             raise IndexOutOfRange(self.name)
         return tuple(outputs)
 
-    def given_or_fresh(self) -> list:
-        """The kernel's output tensors: an output the region returns goes straight into the buffer
-        it is to end in (given by HostExecutable.run's `out`) where that is laid out as the kernel
-        writes, so nothing is copied after; the others are allocated."""
-        outputs: list = [None] * len(self.allocations)
+    def given(self, outputs: list) -> None:
+        """An output the region returns goes straight into the buffer it is to end in (given by
+        HostExecutable.run's `out`) where that is laid out as the kernel writes, so nothing is
+        copied after."""
         buffers = getattr(self.destinations, "buffers", ())
         for index, position, layout in self.returned:
             if position < len(buffers):
@@ -358,20 +360,19 @@ class _KernelCall:
                 if type(buffer) is torch.Tensor and buffer.device.type == "cpu" \
                         and (buffer.shape, buffer.stride(), buffer.dtype) == layout:
                     outputs[index] = buffer
-        return [allocate() if out is None else out for out, allocate in zip(outputs, self.allocations)]
 
-    def write_in_place(self, outputs: list, tensors: tuple, held: list) -> None:
-        """Each output written back to an input becomes that input, where the input is a plain CPU
+    def written_in_place(self, outputs: list, tensors: tuple, held: list) -> None:
+        """Each output written back to an input is that input, where the input is a plain CPU
         tensor laid out as the kernel writes the output and no other tensor the kernel reads
         shares its storage (the kernel would read what it has already overwritten)."""
         storages = collections.Counter(t.untyped_storage().data_ptr() for t in held)
+        reads = collections.Counter(map(id, held))
         for index, position, layout in self.in_place:
             target = tensors[position]
             if type(target) not in _DENSE or target.device.type != "cpu" \
                     or (target.shape, target.stride(), target.dtype) != layout:
                 continue
-            readers = sum(t is target for t in held)  # the kernel's own reads of the target
-            if storages[target.untyped_storage().data_ptr()] == readers:
+            if storages[target.untyped_storage().data_ptr()] == reads[id(target)]:
                 outputs[index] = target
 
     def prepared(self, tensor: torch.Tensor, arg) -> torch.Tensor:
