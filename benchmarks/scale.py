@@ -130,6 +130,7 @@ def worker(args) -> dict:
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "end_rss_mb": _resident_mb()}
     if block is not None:
         record.update(cold_compile_s=stats.compile_seconds, compiles=stats.compiles, build_wait_s=waited,
+                      slowest_region_s=max((r.compile_seconds for r in stats.regions.values()), default=0.0),
                       simulated_step_s=statistics.median(simulated[len(simulated) // 2:]),
                       compiled_fraction=stats.compiled_fraction)
     elif contender == "inductor":
@@ -173,7 +174,9 @@ def _row(record: dict, reference: dict | None) -> str:
     simulated = record.get("simulated_step_s")
     compiles = record.get("compiles")
     wait = record.get("build_wait_s")
-    return (f"{name} {record['cold_compile_s']:>8.2f} {'-' if compiles is None else compiles:>8} "
+    slowest = record.get("slowest_region_s")
+    return (f"{name} {record['cold_compile_s']:>8.2f} {'-' if slowest is None else f'{slowest:.2f}':>7} "
+            f"{'-' if compiles is None else compiles:>8} "
             f"{'-' if wait is None else f'{wait:.2f}':>8} "
             f"{record['steady_step_s']:>8.3f} {ratio:>6.2f}x "
             f"{'-' if simulated is None else f'{simulated * 1e3:.2f}':>10} {record['peak_rss_mb']:>8.0f} {rss:>5.2f}x "
@@ -205,7 +208,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
     records = []
-    print(f"{'workload':<10} {'task':<8} {'contender':<11} {'compile s':>9} {'compiles':>8} {'C wait s':>8} {'step s':>8} "
+    print(f"{'workload':<10} {'task':<8} {'contender':<11} {'compile s':>9} {'slowest':>7} {'compiles':>8} {'C wait s':>8} {'step s':>8} "
           f"{'vs cpu':>7} {'sim ms':>10} {'peak MB':>8} {'vs cpu':>6} {'end MB':>7} {'vs cpu':>6} max diff from cpu")
     for workload in args.workloads.split(","):
         for task in args.tasks.split(","):

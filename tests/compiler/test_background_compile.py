@@ -79,7 +79,8 @@ def test_training_runs_eagerly_while_compiling_then_switches_and_matches_cpu(pro
             losses.append(step(x, y))
     stats = tilewise.stats()
     assert stats.compiles >= 1 and stats.ops_compiled > 0, stats.report()
-    assert stats.background_seconds > 0 and stats.compile_seconds < stats.background_seconds
+    # every compile came back from the compile process (its seconds are its own, not this process's)
+    assert stats.background_seconds > 0 and stats.compiles <= stats.background_compiles, stats.report()
     assert "sent to the compile process" in stats.report()
     expected, reference = _train_cpu(batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)

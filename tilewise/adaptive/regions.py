@@ -7,6 +7,7 @@ same thing, so a dict keyed by it is the cache: hashing finds the entry, equalit
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from ..graphs import RECORDED_STRIDES
 from ..errors import TilewiseError
 from . import scalars, shapes
 from .analysis import storages
-from .segment import FUNCTIONAL, VIEW, Segment
+from .segment import FUNCTIONAL, VIEW, Segment, foreach_element, foreach_elements
 
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
@@ -332,17 +333,38 @@ def replay(node) -> None:
     """Run one recorded node eagerly on its buffers, its outputs checked against what was recorded."""
     if node.kind == VIEW:
         return  # taken on the real buffers at record time
+    if node.kind == FUNCTIONAL and _in_turn(node):
+        run_host(node.func, node.args, node.kwargs, node.core, compute=functools.partial(_foreach_into, node))
+        return
     out = run_host(node.func, node.args, node.kwargs, node.core)
     if node.kind == FUNCTIONAL:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for buffer, value in zip(node.outs, outs):
-            if buffer is None and value is None:
-                continue  # an output the op was asked not to compute (convolution_backward's mask)
-            if buffer is None or value is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
-                raise TilewiseError(
-                    f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
-                    f"{_layout(value)}; please report this as a tilewise bug")
-            store(buffer, value)
+            _store_checked(node, buffer, value)
+
+
+def _store_checked(node, buffer, value) -> None:
+    if buffer is None and value is None:
+        return  # an output the op was asked not to compute (convolution_backward's mask)
+    if buffer is None or value is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.stride() != value.stride():
+        raise TilewiseError(
+            f"{node.plan.name}: the engine gave its output {_layout(buffer)}, the CPU kernel made "
+            f"{_layout(value)}; please report this as a tilewise bug")
+    store(buffer, value)
+
+
+def _in_turn(node) -> bool:
+    """A functional foreach op with a buffer per element (`segment.foreach_elements`)."""
+    return foreach_elements(node.func, node.args, node.kwargs) == len(node.outs) and None not in node.outs
+
+
+def _foreach_into(node, func, *args, **kwargs) -> list:
+    """The foreach op element by element, each result stored in its buffer before the next is
+    computed: one element's result alive at a time, not the whole list beside the buffers."""
+    for index, buffer in enumerate(node.outs):
+        (value,) = func(*foreach_element(func, args, index), **kwargs)
+        _store_checked(node, buffer, value)
+    return node.outs
 
 
 def _layout(tensor) -> str:

@@ -338,25 +338,72 @@ def _host_outputs(node: Node):
     error = None
     for fill in (0, 1):  # zero is a valid index anywhere; one where zero divides an integer
         try:
-            out = node.func(*_stand_ins(node.args, fill), **_stand_ins_kw(node.kwargs, fill))
+            returns_tuple, outs = _stand_in_outputs(node, fill)
             break
         except Exception as failed:  # noqa: BLE001 - any failure: not verifiable, run it eagerly
             error = failed
     else:
         return Reason(Why.UNRECORDABLE, f"output metadata unknown: its host kernel fails on stand-in inputs "
                       f"({type(error).__name__})")
-    outs = out if isinstance(out, (tuple, list)) else (out,)
     # None: an output the op was asked not to compute (convolution_backward's output_mask)
-    if not outs or not all(isinstance(o, torch.Tensor) or o is None and type(out) is tuple for o in outs):
+    if not outs or not all(o is not _NOT_A_TENSOR and (o is not None or returns_tuple is tuple) for o in outs):
         return Reason(Why.UNRECORDABLE, "returns a non-tensor")
-    if any(o is not None and o.layout is not torch.strided for o in outs):
+    if any(o is not None and o[3] is not torch.strided for o in outs):
         # a sparse result (a sparse embedding's gradient): no dense buffer can stand for it, and
         # eager refuses it in its own words
         return Reason(Why.UNRECORDABLE, "returns a tensor that is not dense")
-    described = tuple(None if o is None else (o.shape, o.stride(), o.dtype) for o in outs)
+    described = tuple(None if o is None else o[:3] for o in outs)
     # the metadata a consumer's description of these buffers will use (fresh buffers: offset 0)
-    return isinstance(out, (tuple, list)), described, \
-        [None if d is None else (d[0], d[1], 0, d[2]) for d in described]
+    return bool(returns_tuple), described, [None if d is None else (d[0], d[1], 0, d[2]) for d in described]
+
+
+_NOT_A_TENSOR = object()
+
+
+def _layout_of(value):
+    """(shape, stride, dtype, layout) of a stand-in result, None, or _NOT_A_TENSOR."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.stride(), value.dtype, value.layout
+    return None if value is None else _NOT_A_TENSOR
+
+
+def _stand_in_outputs(node: Node, fill) -> tuple:
+    """(the type of the op's result if a tuple or list, else None; each output's `_layout_of`),
+    the op run on stand-in inputs filled with `fill`; a foreach op one element at a time."""
+    elements = foreach_elements(node.func, node.args, node.kwargs)
+    if elements is not None:
+        return list, [_layout_of(node.func(*_stand_ins(foreach_element(node.func, node.args, i), fill),
+                                           **_stand_ins_kw(node.kwargs, fill))[0]) for i in range(elements)]
+    out = node.func(*_stand_ins(node.args, fill), **_stand_ins_kw(node.kwargs, fill))
+    if isinstance(out, (tuple, list)):
+        return type(out), [_layout_of(o) for o in out]
+    return None, [_layout_of(out)]
+
+
+def foreach_elements(func, args, kwargs) -> int | None:
+    """The length of the lists of a foreach op whose results are one per element of every list it
+    takes, or None for any other op. CPU's foreach kernels loop over the elements with the
+    per-tensor op (their only path on CPU), so `func` on each element's one-element lists
+    (`foreach_element`) computes the whole call's results, with one element's alive at a time:
+    GPT-2 124M's AdamW `_foreach_sqrt` makes 0.5 GB at once otherwise."""
+    if not (isinstance(func, torch._ops.OpOverload) and func.__name__.startswith("_foreach_")):
+        return None
+    returns = func._schema.returns
+    if len(returns) != 1 or str(returns[0].type) != "List[Tensor]":
+        return None
+    if any(isinstance(v, (list, tuple)) for v in kwargs.values()):
+        return None
+    lengths = {len(a) for a in args if isinstance(a, (list, tuple))}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def foreach_element(func, args, index: int) -> list:
+    """`args` of a foreach op for the list element `index` alone: one-element lists, and its own
+    number of a `scalars` tensor (one number per element)."""
+    schema = func._schema.arguments
+    return [[a[index]] if isinstance(a, (list, tuple))
+            else a[index:index + 1] if isinstance(a, torch.Tensor) and schema[position].name == "scalars" else a
+            for position, a in enumerate(args)]
 
 
 _FLOAT = ("float",)

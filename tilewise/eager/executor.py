@@ -7,6 +7,8 @@ over the arguments.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..device import backward_errors, generators
@@ -182,13 +184,14 @@ def _finish(plan: OpPlan, host_args, kwargs, out, traffic: _Traffic, core: int):
     return result
 
 
-def run_host(func, host_args, host_kwargs, core: int = 0):
+def run_host(func, host_args, host_kwargs, core: int = 0, compute: Callable | None = None):
     """Run one aten op on host buffers and charge it as one kernel to neuron:<core>: the lazy
-    engine's replay."""
+    engine's replay. `compute(func, *args, **kwargs)`, if given, computes the op's results in its
+    place (the replay of a foreach op, element by element into its buffers)."""
     func = MATERIALIZED.get(func, func)
     plan = plan_of(func)
     try:
-        out = func(*host_args, **host_kwargs)
+        out = func(*host_args, **host_kwargs) if compute is None else compute(func, *host_args, **host_kwargs)
     except NotImplementedError:
         # A device-only op recorded lazily (a fused cell under inference_mode): its composite on
         # the host buffers, charged as one kernel.
