@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ...op_facts import changes_metadata
 
 _FUNCTIONS = torch._C._VariableFunctions
+BOUND_FROM = "tilewise_bound_from"  # node meta: the OpOverload a node's binding stands for
+RESULT = "tilewise_result"  # node meta: (shape, dtype) of a node's tensor result, from the meta run
 _METHODS = torch._C.TensorBase
 
 
@@ -65,31 +67,34 @@ _DEVICE = torch.ops.prim.device.default
 
 
 def bound(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
-    """`gm` with each node whose binding dispatches its own op calling the binding; `gm` itself
-    where there is nothing to bind, the inputs are not plain CPU or meta tensors and Python scalars
-    (fake tensors: a region compiled while tracing), or a node whose result is read cannot run on
-    meta tensors."""
+    """`gm` with each node whose binding dispatches its own op calling the binding, and each
+    node's result's (shape, dtype) from the meta run in its meta (RESULT); `gm` itself where the
+    inputs are not plain CPU or meta tensors and Python scalars (fake tensors: a region compiled
+    while tracing), or a node whose result is read cannot run on meta tensors."""
     if not all(type(t) is torch.Tensor and t.device.type in ("cpu", "meta") if isinstance(t, torch.Tensor)
                else isinstance(t, (int, float, bool)) for t in example_inputs):
         return gm
+    values: dict = {}
     try:
         with _disable_current_modes():  # a caller's dispatch mode (a tracer) never sees the meta run
-            bindings = _checked_bindings(gm, example_inputs)
+            bindings = _checked_bindings(gm, example_inputs, values)
     except Exception:  # noqa: BLE001 - a node meta tensors cannot run: the graph as recorded
-        return gm
-    if not bindings:
         return gm
     graph = torch.fx.Graph()
     copies: dict = {}
     graph.output(graph.graph_copy(gm.graph, copies))
+    for node, value in values.items():
+        if type(value) is torch.Tensor:
+            copies[node].meta[RESULT] = (value.shape, value.dtype)
     for node, binding in bindings.items():
+        copies[node].meta[BOUND_FROM] = copies[node].target
         copies[node].target = binding
     module = torch.fx.GraphModule(gm, graph)
-    module.forward = types.MethodType(_without_torch_function(module.forward), module)
+    module.forward = types.MethodType(without_torch_function(module.forward), module)
     return module
 
 
-def _without_torch_function(forward):
+def without_torch_function(forward):
     """`forward` run with `__torch_function__` off (a method of the module, as `forward` is): a
     binding, unlike the OpOverload it stands for, is a torch function, and a program's
     TorchFunctionMode (`with torch.device("neuron")` puts a device into factories called without
@@ -100,11 +105,11 @@ def _without_torch_function(forward):
     return run
 
 
-def _checked_bindings(gm: torch.fx.GraphModule, example_inputs) -> dict:
+def _checked_bindings(gm: torch.fx.GraphModule, example_inputs, values: dict) -> dict:
     """node -> its binding, for each node whose binding dispatched exactly its op on the node's
-    arguments, the graph run on meta tensors (no data, the inputs' metadata)."""
+    arguments, the graph run on meta tensors (no data, the inputs' metadata); `values` gets each
+    node's meta value."""
     inputs = iter(example_inputs)
-    values: dict = {}
     bindings: dict = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":

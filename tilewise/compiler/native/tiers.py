@@ -25,6 +25,7 @@ from ...host_memory import return_free_memory
 from ...host_threads import run_kernels_serially
 from . import build as native
 from .later import Later
+from .outputs_into import outputs_into
 from .build import IndexOutOfRange, NativeProgram, NotBuiltFor, warn_once
 
 NATIVE_AFTER_RUNS = 2  # a region's runs on PyTorch before its C is built (the tiered JIT's hotness count)
@@ -74,7 +75,8 @@ class HostExecutable:
         self.gm, self.program = gm, program
         # runs what the executable runs on PyTorch once before the C is built (CompiledRegion.check_decomposition)
         self.check = check
-        self.source_forward = source.forward
+        self.destinations = threading.local()  # `out` of the run in progress on each thread
+        self.source_forward = outputs_into(source, self.destinations).forward
         self.forward = self.source_forward
         # there is C to build unless the kernels are known to have none (`program` already made)
         self.buildable = not program.is_made or bool(program().kernels)
@@ -86,7 +88,6 @@ class HostExecutable:
         self.where = None  # the disk cache a started build reads and writes (disk.Location)
         self.trial: _Trial | None = None
         self.recorded_best = float("inf")  # the recorded graph's best time while the C compiled
-        self.destinations = threading.local()  # `out` of the run in progress on each thread
 
     def arm(self, runs: int | None = None) -> None:
         """Build the native executable once the region has run `runs` times (None:
@@ -97,8 +98,9 @@ class HostExecutable:
 
     def run(self, *inputs, out: tuple = ()) -> tuple:
         """The region's results. `out`: per result, the buffer it is to end in (or None); the native
-        executable writes results straight into those laid out as its kernels write (that result
-        is then the buffer itself), the caller copies the others."""
+        executable writes results straight into those laid out as its kernels write, the recorded
+        graph those its ops have an `out=` form for (outputs_into.py); such a result is the
+        buffer itself, the caller copies the others."""
         if not out:
             return self._run(inputs)
         self.destinations.buffers = out
