@@ -73,11 +73,17 @@ class _Into:
 
 
 def _writable(buffer, args, kwargs) -> bool:
+    """Whether the op may write `buffer`: no element of it twice, and no argument reads its
+    memory. Every tensor argument must be a plain CPU tensor to tell (a wrapper subclass, a
+    DTensor's or a device tensor, has no storage of its own to compare)."""
     if type(buffer) is not torch.Tensor or buffer.device.type != "cpu" or torch._debug_has_internal_overlap(buffer) != 0:
         return False
     memory = buffer.untyped_storage().data_ptr()
-    return not any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == memory
-                   for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+    for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, torch.Tensor) and (type(value) is not torch.Tensor or value.device.type != "cpu"
+                                                or value.untyped_storage().data_ptr() == memory):
+            return False
+    return True
 
 
 def outputs_into(source: torch.fx.GraphModule, destinations: threading.local) -> torch.fx.GraphModule:
