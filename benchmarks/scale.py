@@ -2,13 +2,15 @@
 in each mode against CPU eager and inductor, at 1x, 2x and 4x depth.
 
 Per workload and contender, each in a fresh process (its own caches, its own peak RSS): cold
-compile seconds (tilewise: the compiles' seconds from `stats()`; inductor: the first step's time
-less a steady step's), compiles, the seconds waited after the first half of the steps for the C
+compile seconds (tilewise: the compiles' seconds from `stats()`, on the steps' path unless
+`background_compile` sends them to the compile process, whose seconds the JSON's
+`background_compile_s` holds; inductor: the first step's time less a steady step's), the slowest
+region's compile seconds, compiles, the seconds waited after the first half of the steps for the C
 builds still under way in the background (tilewise), steady host seconds per step (median of the
 last half of the steps, which run what those builds made), simulated device seconds per steady
-step, peak RSS and the resident memory after the last step, and the largest difference of the
-losses (or generated tokens) from CPU eager's run in the same table. Ratios are to CPU eager's
-figures of the same run.
+step, peak RSS and the resident memory after the last step (the JSON's `emptied_rss_mb`: after
+`torch.neuron.empty_cache()` too), and the largest difference of the losses (or generated tokens)
+from CPU eager's run in the same table. Ratios are to CPU eager's figures of the same run.
 
     python benchmarks/scale.py [--workloads gpt2,llama] [--tasks train,generate] [--depths 1,2,4]
                                [--contenders cpu,cpu-caching,inductor,eager,adaptive,compiled] [--steps N]
@@ -123,13 +125,18 @@ def worker(args) -> dict:
     finally:
         if block is not None:
             block.__exit__(None, None, None)
+    end_rss = _resident_mb()
+    if block is not None:
+        torch.neuron.empty_cache()  # what the host allocator kept for reuse, given back
     steady = times[len(times) // 2:]
     record = {"workload": args.workload, "task": args.task, "depth": args.depth, "contender": contender,
               "mode": contender if block is not None else None, "steps": args.steps,
               "step_s": times, "steady_step_s": statistics.median(steady), "results": results,
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "end_rss_mb": _resident_mb()}
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "end_rss_mb": end_rss,
+              "emptied_rss_mb": _resident_mb()}
     if block is not None:
-        record.update(cold_compile_s=stats.compile_seconds, compiles=stats.compiles, build_wait_s=waited,
+        record.update(cold_compile_s=stats.compile_seconds, background_compile_s=stats.background_seconds,
+                      compiles=stats.compiles, build_wait_s=waited,
                       slowest_region_s=max((r.compile_seconds for r in stats.regions.values()), default=0.0),
                       simulated_step_s=statistics.median(simulated[len(simulated) // 2:]),
                       compiled_fraction=stats.compiled_fraction)

@@ -110,6 +110,9 @@ def test_scale_tiny_writes_a_record_per_contender_with_cpu_s_losses(tmp_path):
             assert field in record
     assert compiled["compiles"] > 0 and compiled["simulated_step_s"] > 0 and compiled["mode"] == "compiled"
     assert compiled["build_wait_s"] >= 0.0  # the steady steps come after the C builds
+    # the slowest region is one of the compiles; giving back what the allocator kept frees memory
+    assert 0 < compiled["slowest_region_s"] <= compiled["cold_compile_s"] + compiled["background_compile_s"]
+    assert compiled["emptied_rss_mb"] <= compiled["end_rss_mb"]
     assert cpu["simulated_step_s"] is None and cpu["compiles"] == 0 and cpu_caching["compiles"] == 0
     for contender in ("cpu-caching", "compiled"):
         row = next(line for line in result.stdout.splitlines() if contender in line)
