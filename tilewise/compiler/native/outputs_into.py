@@ -6,7 +6,7 @@ graph (the tier a region starts on, and keeps where its C is slower) every resul
 tensor, alive beside its buffer until copied: the optimizer region of a Llama's first step makes
 its Adam state (1 GB of `zeros_like`) so, twice over. `outputs_into` makes each result-producing op
 that has an `out=` form call it on the buffer where the run gives one: the same kernel (an op's
-`out=` overload and its functional one share the kernel), written where it ends, and the result is
+`out=` overload computes what its functional one does), written where it ends, and the result is
 the buffer itself, which the caller does not copy.
 """
 from __future__ import annotations
