@@ -64,3 +64,23 @@ def changes_metadata(op: torch._ops.OpOverload) -> bool:
     """Whether the op changes its tensor's shape or strides in place: the wrapper (the eager device
     tensor, a binding's result) must take the new metadata."""
     return op._overloadpacket.__name__ in CHANGES_METADATA or torch.Tag.inplace_view in op.tags
+
+
+def is_foreach(op) -> bool:
+    """An aten `_foreach_*` op. CPU's foreach kernels call the per-tensor op on each element of
+    their lists in turn (their slow path, the only one on CPU), so the op on one element's
+    one-element lists computes that element's bits of the whole call."""
+    return isinstance(op, torch._ops.OpOverload) and op.__name__.startswith("_foreach_")
+
+
+def returns_per_element(op) -> bool:
+    """A foreach op whose result is a tensor per list element (`_foreach_sqrt`, not `_foreach_add_`)."""
+    returns = op._schema.returns
+    return is_foreach(op) and len(returns) == 1 and str(returns[0].type) == "List[Tensor]"
+
+
+def is_scalars_argument(op, position: int) -> bool:
+    """Whether argument `position` of a foreach op is its `scalars` tensor: one number per list
+    element, the element's own being the slice [i:i+1]."""
+    arguments = op._schema.arguments
+    return position < len(arguments) and arguments[position].name == "scalars"

@@ -355,7 +355,7 @@ def _store_checked(node, buffer, value) -> None:
 
 def _in_turn(node) -> bool:
     """A functional foreach op with a buffer per element (`segment.foreach_elements`)."""
-    return foreach_elements(node.func, node.args, node.kwargs) == len(node.outs) and None not in node.outs
+    return foreach_elements(node) == len(node.outs) and None not in node.outs
 
 
 def _foreach_into(node, func, *args, **kwargs) -> list:

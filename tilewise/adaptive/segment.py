@@ -19,6 +19,7 @@ import torch
 from ..device.tensor import NeuronTensor, names_neuron, wrap, wrap_fresh, wrap_view
 from ..eager.plan import PLANS, OpPlan, plan_of
 from ..errors import TilewiseError
+from ..op_facts import is_scalars_argument
 from . import scalars
 from .policy import Reason, Settings, Why
 
@@ -370,7 +371,7 @@ def _layout_of(value):
 def _stand_in_outputs(node: Node, fill) -> tuple:
     """(the type of the op's result if a tuple or list, else None; each output's `_layout_of`),
     the op run on stand-in inputs filled with `fill`; a foreach op one element at a time."""
-    elements = foreach_elements(node.func, node.args, node.kwargs)
+    elements = foreach_elements(node)
     if elements is not None:
         return list, [_layout_of(node.func(*_stand_ins(foreach_element(node.func, node.args, i), fill),
                                            **_stand_ins_kw(node.kwargs, fill))[0]) for i in range(elements)]
@@ -380,29 +381,22 @@ def _stand_in_outputs(node: Node, fill) -> tuple:
     return None, [_layout_of(out)]
 
 
-def foreach_elements(func, args, kwargs) -> int | None:
-    """The length of the lists of a foreach op whose results are one per element of every list it
-    takes, or None for any other op. CPU's foreach kernels loop over the elements with the
-    per-tensor op (their only path on CPU), so `func` on each element's one-element lists
-    (`foreach_element`) computes the whole call's results, with one element's alive at a time:
-    GPT-2 124M's AdamW `_foreach_sqrt` makes 0.5 GB at once otherwise."""
-    if not (isinstance(func, torch._ops.OpOverload) and func.__name__.startswith("_foreach_")):
+def foreach_elements(node: Node) -> int | None:
+    """The length of the lists of a foreach op with a result per element of every list it takes
+    (`OpPlan.per_element`), or None for any other node: `foreach_element` on each index then
+    computes the whole call's results, one element's alive at a time (GPT-2 124M's AdamW
+    `_foreach_sqrt` makes 0.5 GB at once otherwise)."""
+    if not node.plan.per_element or any(isinstance(v, (list, tuple)) for v in node.kwargs.values()):
         return None
-    returns = func._schema.returns
-    if len(returns) != 1 or str(returns[0].type) != "List[Tensor]":
-        return None
-    if any(isinstance(v, (list, tuple)) for v in kwargs.values()):
-        return None
-    lengths = {len(a) for a in args if isinstance(a, (list, tuple))}
+    lengths = {len(a) for a in node.args if isinstance(a, (list, tuple))}
     return lengths.pop() if len(lengths) == 1 else None
 
 
 def foreach_element(func, args, index: int) -> list:
     """`args` of a foreach op for the list element `index` alone: one-element lists, and its own
-    number of a `scalars` tensor (one number per element)."""
-    schema = func._schema.arguments
+    number of a `scalars` tensor."""
     return [[a[index]] if isinstance(a, (list, tuple))
-            else a[index:index + 1] if isinstance(a, torch.Tensor) and schema[position].name == "scalars" else a
+            else a[index:index + 1] if isinstance(a, torch.Tensor) and is_scalars_argument(func, position) else a
             for position, a in enumerate(args)]
 
 

@@ -15,7 +15,7 @@ from ..device import timing
 from ..device.spec import DeviceSpec
 from .native import bindings
 from .passes.cost import estimate_cost
-from ..op_facts import COMPOSITE, MATERIALIZED
+from ..op_facts import COMPOSITE, MATERIALIZED, is_foreach
 from .native.c_exprs import NativeReason
 from .passes.decompose import decompose, flat_module, host_factories, rounds_otherwise
 from .passes.emit import emit
@@ -362,7 +362,7 @@ class _FiniteRun(torch.fx.Interpreter):
             return True
         if not isinstance(target, torch._ops.OpOverload):
             return False
-        if target.namespace == "prims" or target.__name__.startswith("_foreach_") \
+        if target.namespace == "prims" or is_foreach(target) \
                 or torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags:
             return True
         returns = target._schema.returns

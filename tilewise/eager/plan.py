@@ -53,6 +53,7 @@ class OpPlan(NamedTuple):
     # neuron generator standing for a CPU one: executor._unwrap)
     simple: bool
     tile_cost: Callable | None = None  # a hand-written tile kernel's op: its own cost (op_facts.TILE_KERNEL)
+    per_element: bool = False      # a foreach op with a result per list element (op_facts.returns_per_element)
 
 
 # Keyed by id(func): an OpOverload hashes in Python, and this runs for every op. A plan holds its
@@ -159,6 +160,7 @@ def _make_plan(func) -> OpPlan:
         simple=composite is None and not mutating and not cross_device and func not in cuda_inputs.OPS
         and not _takes_a_generator(schema) and tile_cost is None,
         tile_cost=tile_cost,
+        per_element=op_facts.returns_per_element(func),
     )
 
 

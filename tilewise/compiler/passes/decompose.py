@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, f
 from ...device.tensor import names_neuron
 from ...errors import CompileError
 from ...graphs import RECORDED_STRIDES
+from ...op_facts import is_foreach
 from . import meta_kernels
 from ..native import vml
 from .cpu_rounding import EXACT_DECOMPOSITIONS, SIXTEEN_BIT, reduced_dims, rounding_as_cpu
@@ -117,7 +118,7 @@ def _foreach_entries(graph: torch.fx.Graph) -> dict:
     entries = {}
     for node in graph.nodes:
         target = node.target
-        if not (isinstance(target, torch._ops.OpOverload) and target.__name__.startswith("_foreach_")):
+        if not is_foreach(target):
             continue
         name = target._overloadpacket.__name__[len("_foreach_"):].rstrip("_")
         functional = getattr(aten, f"_foreach_{name}", None)

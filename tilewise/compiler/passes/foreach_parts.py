@@ -20,6 +20,8 @@ import operator
 import networkx as nx
 import torch
 
+from ...op_facts import is_foreach, is_scalars_argument
+
 _SLICE = torch.ops.aten.slice.Tensor
 
 
@@ -49,8 +51,7 @@ def foreach_in_turn(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _is_foreach(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        and node.target.__name__.startswith("_foreach_")
+    return node.op == "call_function" and is_foreach(node.target)
 
 
 def _splittable(node: torch.fx.Node) -> bool:
@@ -77,7 +78,6 @@ def _splittable(node: torch.fx.Node) -> bool:
 def _split(graph: torch.fx.Graph, node: torch.fx.Node, env: dict, part: dict) -> list:
     """One call of the node's op per list element, on one-element lists; `scalars` given as a
     tensor (one number per element) is sliced to the element's."""
-    schema = node.target._schema.arguments
     length = next(len(a) for a in node.args if isinstance(a, (list, tuple)))
     parts = []
     for index in range(length):
@@ -86,7 +86,7 @@ def _split(graph: torch.fx.Graph, node: torch.fx.Node, env: dict, part: dict) ->
             if isinstance(arg, (list, tuple)):
                 element = arg[index]
                 args.append([env[element] if isinstance(element, torch.fx.Node) else element])
-            elif isinstance(arg, torch.fx.Node) and position < len(schema) and schema[position].name == "scalars":
+            elif isinstance(arg, torch.fx.Node) and is_scalars_argument(node.target, position):
                 scalars = graph.call_function(_SLICE, (env[arg], 0, index, index + 1))
                 part[scalars] = index
                 args.append(scalars)
