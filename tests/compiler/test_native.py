@@ -6,6 +6,7 @@ really ran and how many kernels it ran in C."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -393,6 +394,35 @@ def test_consecutive_element_wise_instructions_share_one_loop_and_vectorise():
         lines = source.splitlines()
         fused = [number + 2 for number, line in enumerate(lines) if line.strip() == "#pragma GCC ivdep"]
         assert fused and set(fused) <= vectorised, done.stderr[-2000:]
+
+
+def test_a_chains_own_values_are_c_locals_and_its_scalar_loads_run_before_it():
+    """AdamW's update with tensor scalars (the step size, the bias correction): the scalars' loads
+    run before the element loop, so the chain up to MKL's sqrt is one loop (both moments stored in
+    it) and the update after it another; a value only its own loop reads is a C local, not a
+    scratch row stored and loaded again (every row the C declares is read outside the loop that
+    writes it). The values stay CPU's, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(64, 300, generator=g), torch.randn(64, 300, generator=g), torch.randn(64, 300, generator=g),
+              torch.rand(64, 300, generator=g), torch.tensor(0.01), torch.tensor(0.9)]
+
+    def adamw(p, grad, m, v, step_size, correction):
+        m = m.lerp(grad, 0.1)
+        v = v * 0.999 + grad * grad * 0.001
+        return p * 0.99 - step_size * m / (v.sqrt() / correction + 1e-8), m, v
+    source = check(adamw, inputs, exact=True, kernels=1).native.source
+    body = source.split("int tw_kernel_0(")[1]
+    loops = element_loops(body)
+    assert len(loops) == 2, body
+    assert sum("_hbm[" in s.split(" = ")[0] for s in loops[0]) == 2 and "_hbm[" in loops[1][-1].split(" = ")[0]
+    rows = re.findall(r"static float (\w+)\[", body)
+    locals_ = re.findall(r"const float (\w+) = ", body)
+    assert len(locals_) >= 10 and not set(rows) & set(locals_), body
+    lines = body.splitlines()
+    for row in rows:
+        using = [loop for loop in loops if any(f"{row}[" in s for s in loop)]
+        outside = [line for line in lines if f"{row}[" in line and not any(line.strip() in loop for loop in loops)]
+        assert len(using) > 1 or outside[1:], f"{row} is only its own loop's value:\n{body}"
 
 
 @pytest.mark.parametrize("fn", [

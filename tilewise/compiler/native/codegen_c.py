@@ -7,7 +7,8 @@ are strided copies between HBM (the tensors' memory, strides fixed at compile ti
 buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
 instructions in program order on its rows, and consecutive element-wise instructions over the same
 elements share one loop (`ElementLoop`): an element's chain of values is computed in one go, not
-one pass over a scratch row per instruction (the 4096 x 1024 GELU chain: 11 -> 5.3 ms).
+one pass over a scratch row per instruction (the 4096 x 1024 GELU chain: 11 -> 5.3 ms), and a value
+only its own loop reads is a C local there, not a row (`scalarise`; GPT-2's AdamW: 0.28 -> 0.20 s).
 Element-wise ops follow PyTorch's CPU semantics: scalars are cast to the op's dtype first, NaN
 propagates through max, min and relu, integers wrap (`-fwrapv`), and no multiply-add is contracted
 (`-ffp-contract=off`), so add, sub, mul and div are bitwise PyTorch's; the op expressions are in
@@ -36,10 +37,11 @@ from ..ir.tile_ir import Kernel, Ops, TileOp
 
 
 # A buffer's row inside a partition loop, `name[p * pitch...`, and a statement writing it first (to
-# its whole row or element by element); compiled once, the name and pitch compared per buffer.
+# its whole row or element by element, or an MKL function's output row); compiled once, the name and
+# pitch compared per buffer.
 _INDEXED = re.compile(r"\b(\w+)\[")  # a name indexed as an array
 _ROW_INDEX = re.compile(r"\b(\w+)\[p \* (\d+)\b")
-_ROW_WRITE = re.compile(r"\b(\w+)\[p \* (\d+)(?: \+ f)?\] = ")
+_ROW_WRITE = re.compile(r"\b(\w+)\[p \* (\d+)(?: \+ f)?\] = |^vm[sd]\w+\(.*, &(\w+)\[p \* (\d+)\], \d+LL\);$")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class KernelWriter:
         self.buffers: dict[int, str] = {}     # id(op) -> its scratch buffer
         self.declared: list[tuple[str, str, int, int]] = []  # (C type, name, rows, cols) of each buffer
         self.runs: list[range] = []  # the lines of each partition loop
+        self.chains: list[range] = []  # the statement lines of each element loop of several statements
         self.extent = {op.arg[0]: op.arg[1] for op in kernel.body if op.op is Ops.RANGE}
         self.accumulator: dict[int, int] = {}
         for op in kernel.body:
@@ -152,10 +155,14 @@ class KernelWriter:
         element 0)."""
         if self.joins(count) and self.pending[2]:
             last = self.pending[2][-1]
-            if isinstance(last, ElementLoop) and last.count == f_count and \
-                    not any(f"{written}[" in earlier for earlier in last.statements):
-                last.statements.append(statement)
-                return
+            if isinstance(last, ElementLoop) and not any(f"{written}[" in earlier for earlier in last.statements):
+                if last.count == f_count:
+                    last.statements.append(statement)
+                    return
+                if set(_INDEXED.findall(statement)) <= {written, *self.args}:
+                    # it reads only the kernel's inputs: run before the loop, which the chain goes on in
+                    self.pending[2].insert(len(self.pending[2]) - 1, ElementLoop(f_count, [statement]))
+                    return
         self.partition_loop(count, ElementLoop(f_count, [statement]))
 
     def joins(self, count: str) -> bool:
@@ -171,23 +178,57 @@ class KernelWriter:
         self.lines.append(f"{indent}for (int64_t p = 0; p < {count}; p++) {{")
         for block in blocks:
             lines = block.lines() if isinstance(block, ElementLoop) else block
+            start = len(self.lines) + 3  # after "{", the pragma and the loop's head
             self.lines.extend(f"{indent}  {line}" for line in ["{", *(f"  {line}" for line in lines), "}"])
+            if isinstance(block, ElementLoop) and len(block.statements) > 1:
+                self.chains.append(range(start, start + len(block.statements)))
         self.lines.append(f"{indent}}}")
         self.runs.append(range(first, len(self.lines)))
 
-    def declarations(self) -> list[str]:
-        """Each buffer as a static array: a whole tile, or one row where the tile is a value of one
-        partition loop that writes it before reading it (each partition's row is dead once the loop
-        moves on), so the chain of a fused kernel's values stays in L1."""
-        declared, lines_using = [], collections.defaultdict(list)
+    def lines_using(self) -> dict[str, list[int]]:
+        """name -> the lines indexing it as an array, in order."""
+        lines_using = collections.defaultdict(list)
         for i, line in enumerate(self.lines):
             for used in dict.fromkeys(_INDEXED.findall(line)):
                 lines_using[used].append(i)
+        return lines_using
+
+    def scalarise(self) -> set[str]:
+        """The buffers that become C locals: a value an element loop writes at element f and that
+        only that loop's later statements read, at element f, lives in a register for the one
+        iteration. Kept as a row, every such value of a chain is stored and loaded again (AdamW's
+        update: ten of its fourteen rows, a row each too many to stay in L1). Returns their names."""
+        lines_using, scalars = self.lines_using(), set()
         for ctype, name, rows, cols in self.declared:
+            uses = lines_using[name]
+            chain = next((c for c in self.chains if uses and uses[0] in c and uses[-1] in c), None)
+            element = f"{name}[p * {cols} + f]"
+            first = self.lines[uses[0]].lstrip() if chain else ""
+            if not first.startswith(element + " = ") or any(
+                    line.count(f"{name}[") != line.count(element) for line in (self.lines[i] for i in uses)) \
+                    or any(self.lines[i].lstrip().startswith(element + " = ") for i in uses[1:]):
+                continue
+            indent = self.lines[uses[0]][:len(self.lines[uses[0]]) - len(first)]
+            self.lines[uses[0]] = f"{indent}const {ctype} {name} = {first[len(element) + 3:]}"
+            for i in uses[1:]:
+                self.lines[i] = self.lines[i].replace(element, name)
+            scalars.add(name)
+        return scalars
+
+    def declarations(self) -> list[str]:
+        """Each buffer not made a local (`scalarise`) as a static array: a whole tile, or one row
+        where the tile is a value of one partition loop that writes it before reading it (each
+        partition's row is dead once the loop moves on), so the chain of a fused kernel's values
+        stays in L1."""
+        scalars = self.scalarise()
+        declared, lines_using = [], self.lines_using()
+        for ctype, name, rows, cols in self.declared:
+            if name in scalars:
+                continue
             uses = lines_using[name]
             run = next((r for r in self.runs if uses and uses[0] in r and uses[-1] in r), None)
             row = (name, str(cols))
-            if run is not None and rows > 1 and any(m.groups() == row for m in _ROW_WRITE.finditer(self.lines[uses[0]])):
+            if run is not None and rows > 1 and any(row in (m.groups()[:2], m.groups()[2:]) for m in _ROW_WRITE.finditer(self.lines[uses[0]].lstrip())):
                 for i in uses:
                     self.lines[i] = _ROW_INDEX.sub(lambda m: f"{name}[0" if m.groups() == row else m.group(0), self.lines[i])
                 rows = 1
@@ -317,14 +358,21 @@ class KernelWriter:
             raise Unsupported(NativeReason.ROUNDING, f"{op.arg[0]} of {op.dtype} rounds otherwise in C")
 
     def vml_call(self, op: TileOp, name: str, bound: dict) -> None:
-        """CPU's own function (vml.py): the operand cast to the op's dtype into the row, then MKL's
-        function on the row in place (its value at an element does not depend on the row's length)."""
+        """CPU's own function (vml.py): MKL's function from the operand's row (copied into the op's
+        row first where it must be cast or broadcast) into the op's row (its value at an element
+        does not depend on the row's length)."""
         if op.dtype not in vml.C_PREFIX:
             raise Unsupported(NativeReason.DTYPE, f"{name} of {op.dtype}: MKL's functions take float32 and float64")
         buffer, pitch, count = self.buffer(op), op.shape[1][1], self.count(op.shape[1])
+        source, copy = f"&{buffer}[p * {pitch}]", []
+        operand = bound["self"]
+        src = op.srcs[operand[1]] if is_tile(operand) else None
+        if src is not None and src.dtype == op.dtype and src.shape[:2] == op.shape[:2]:
+            source = f"&{self.buffer(src)}[p * {src.shape[1][1]}]"  # the operand's row as it is
+        else:
+            copy = [f"for (int64_t f = 0; f < {count}; f++) {buffer}[p * {pitch} + f] = {self.operand(operand, op, op.dtype)};"]
         self.partition_loop(self.count(op.shape[0]), [
-            f"for (int64_t f = 0; f < {count}; f++) {buffer}[p * {pitch} + f] = {self.operand(bound['self'], op, op.dtype)};",
-            f"{vml.c_function(name, op.dtype)}((int)({count}), &{buffer}[p * {pitch}], &{buffer}[p * {pitch}], {vml.MODE}LL);"])
+            *copy, f"{vml.c_function(name, op.dtype)}((int)({count}), {source}, &{buffer}[p * {pitch}], {vml.MODE}LL);"])
 
     def check_one_hot_index(self, op: TileOp) -> None:
         """A gather's or scatter's one-hot mask (`iota == index`): an index outside the row selects
