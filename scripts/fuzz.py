@@ -1,5 +1,6 @@
 """Long differential fuzz run: random programs on CPU and on `neuron` in eager, adaptive and compiled
-mode (tilewise/testing/fuzzing.py), counting programs tried, mismatches and errors.
+mode (drawn by tilewise/testing/fuzz_programs.py, checked by tilewise/testing/fuzzing.py), counting
+programs tried, mismatches and errors.
 
     python scripts/fuzz.py                          # 10,000 programs, one process, every area
     python scripts/fuzz.py --programs 2000 --workers 2 --seed 7 --failures fuzz_failures.txt
@@ -61,7 +62,7 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
     from hypothesis import HealthCheck, Phase, given, reject, settings
     from hypothesis import seed as hypothesis_seed
 
-    from tilewise.testing import fuzzing
+    from tilewise.testing import fuzz_programs, fuzzing
     import tilewise
     if native:
         from tilewise.testing import native_everywhere
@@ -74,11 +75,11 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
     @hypothesis_seed(seed)
     @settings(max_examples=programs, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(fuzzing.programs(max_ops=max_ops, features=features))
+    @given(fuzz_programs.programs(max_ops=max_ops, features=features))
     def one(program):
         if time.perf_counter() - started > minutes * 60:
             raise _OutOfTime
-        if not fuzzing.runs_on_cpu(program):
+        if not fuzz_programs.runs_on_cpu(program):
             counts["rejected"] += 1
             reject()
         counts["tried"] += 1
@@ -105,7 +106,7 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
             continue
         fails = lambda p: _failure(p, features) == key  # noqa: E731  (the same class, not any failure)
         if fails(program):
-            small = fuzzing.minimise(program, fails)
+            small = fuzz_programs.minimise(program, fails)
             minimised.append({"kind": kind, "class": key, "program": repr(small), "message": _message(small, features)})
         else:  # fails only after the programs before it: kept whole, with what it said then
             minimised.append({"kind": kind, "class": key, "program": repr(program), "message": "fails only after "

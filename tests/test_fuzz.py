@@ -1,6 +1,7 @@
-"""Differential fuzzing in CI: a fixed budget of random programs (tilewise/testing/fuzzing.py), derandomized so
-every run tries the same programs. Each runs 4 times per mode with threshold 2 (warm-up, compile,
-cache hits) and must match plain CPU PyTorch in values, dtypes, shapes and gradients.
+"""Differential fuzzing in CI: a fixed budget of random programs (tilewise/testing/fuzz_programs.py),
+derandomized so every run tries the same programs, checked by tilewise/testing/fuzzing.py. Each runs
+4 times per mode with threshold 2 (warm-up, compile, cache hits) and must match plain CPU PyTorch in
+values, dtypes, shapes and gradients.
 The new areas (fuzzing.Features) get a few fixed programs each, and the fuzzer's own machinery
 (poisoned buffers, injected interrupts) is shown able to fail.
 The long run is `python scripts/fuzz.py` (10,000 programs)."""
@@ -8,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
-from tilewise.testing import fuzzing
+from tilewise.testing import fuzz_interrupts, fuzz_programs, fuzzing
 import tilewise
 
 CI_PROGRAMS = 70
@@ -21,9 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def test_random_programs_match_cpu_in_every_mode():
     @settings(max_examples=CI_PROGRAMS, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(fuzzing.programs())
+    @given(fuzz_programs.programs())
     def program_matches_cpu(program):
-        assume(fuzzing.runs_on_cpu(program))
+        assume(fuzz_programs.runs_on_cpu(program))
         fuzzing.check(program)
 
     program_matches_cpu()
@@ -66,9 +67,9 @@ def test_the_checker_catches_a_wrong_result(monkeypatch, dtype):
 def _area_programs_match_cpu(features: fuzzing.Features) -> None:
     @settings(max_examples=AREA_PROGRAMS, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(fuzzing.programs(features=features))
+    @given(fuzz_programs.programs(features=features))
     def program_matches_cpu(program):
-        assume(fuzzing.runs_on_cpu(program))
+        assume(fuzz_programs.runs_on_cpu(program))
         fuzzing.check(program, features=features)
 
     program_matches_cpu()
@@ -108,7 +109,7 @@ def test_a_value_the_engine_never_writes_is_caught_as_poison(monkeypatch):
 def test_an_injected_interrupt_leaves_the_flush_and_the_engine_restored():
     from tilewise.adaptive import regions
     originals = regions.replay, regions.CompiledEntry.run
-    with tilewise.engine(mode="adaptive"), fuzzing.Interrupter() as interrupter:
+    with tilewise.engine(mode="adaptive"), fuzz_interrupts.Interrupter() as interrupter:
         x = torch.ones(3, device="neuron")
         y = x + 1
         interrupter.arm(0, before=True)
