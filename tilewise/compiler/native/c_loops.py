@@ -77,15 +77,16 @@ class LoopWriter:
         written before the loop) of each row. Consecutive ones over the same elements share one f
         loop: one pass over the row for the chain of them. A statement whose buffer the loop
         touched already starts a loop of its own (a write at f must not precede a read of
-        element 0)."""
+        element 0). A row's broadcast element (`f_count` 1) that reads only the kernel's inputs
+        (Adam's step size) is written before the loop instead, which the chain then goes on in:
+        it reads nothing the loop writes, and the loop does not touch its buffer."""
         if self.joins(count) and self.pending[2]:
             last = self.pending[2][-1]
             if isinstance(last, ElementLoop) and not any(f"{written}[" in earlier for earlier in last.statements):
                 if last.count == f_count:
                     last.statements.append(statement)
                     return
-                if set(_INDEXED.findall(statement)) <= {written, *self.pointers}:
-                    # it reads only the kernel's inputs: run before the loop, which the chain goes on in
+                if f_count == "1" and set(_INDEXED.findall(statement)) <= {written, *self.pointers}:
                     self.pending[2].insert(len(self.pending[2]) - 1, ElementLoop(f_count, [statement]))
                     return
         self.partition_loop(count, ElementLoop(f_count, [statement]))
