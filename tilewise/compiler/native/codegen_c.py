@@ -1,7 +1,7 @@
 """Tile programs as C: one function per kernel, its loops the kernel's RANGE/END loops.
 
-Every tile instruction gets a static scratch buffer of its full tile size ([partitions x free], the
-SBUF tile it stands for, small enough to stay in cache) and computes on the valid extent of the
+Every tile instruction writes a scratch buffer of its full tile size ([partitions x free], the SBUF
+tile it stands for, small enough to stay in cache; a row, or a C local, where `c_loops` can tell) and computes on the valid extent of the
 current edge tile, `min(step, extent - start)`, exactly as the interpreter does. DMA loads and stores
 are strided copies between HBM (the tensors' memory, strides fixed at compile time) and those
 buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
