@@ -1,8 +1,9 @@
 """Tile programs as C: one function per kernel, its loops the kernel's RANGE/END loops.
 
 Every tile instruction writes a scratch buffer of its full tile size ([partitions x free], the SBUF
-tile it stands for, small enough to stay in cache; a row, or a C local, where `c_loops` can tell) and computes on the valid extent of the
-current edge tile, `min(step, extent - start)`, exactly as the interpreter does. DMA loads and stores
+tile it stands for, small enough to stay in cache; a row, or a C local, where `c_loops` can tell)
+and computes on the valid extent of the current edge tile, `min(step, extent - start)`, exactly as
+the interpreter does. DMA loads and stores
 are strided copies between HBM (the tensors' memory, strides fixed at compile time) and those
 buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
 instructions in program order on its rows, and consecutive element-wise instructions over the same
