@@ -3,9 +3,8 @@
 Every tile instruction writes a scratch buffer of its full tile size ([partitions x free], the SBUF
 tile it stands for, small enough to stay in cache; a row, or a C local, where `c_loops` can tell)
 and computes on the valid extent of the current edge tile, `min(step, extent - start)`, exactly as
-the interpreter does. DMA loads and stores
-are strided copies between HBM (the tensors' memory, strides fixed at compile time) and those
-buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
+the interpreter does. DMA loads and stores are strided copies between HBM (the tensors' memory,
+strides fixed at compile time) and those buffers; a MATMUL accumulates `lhsT.T @ rhs` in an fp32 buffer (PSUM). A partition runs the
 instructions in program order on its rows, and consecutive element-wise instructions over the same
 elements share one loop: an element's chain of values is computed in one go, not one pass over a
 scratch row per instruction (the 4096 x 1024 GELU chain: 11 -> 5.3 ms), and a value only its own
