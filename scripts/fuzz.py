@@ -79,7 +79,7 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
     def one(program):
         if time.perf_counter() - started > minutes * 60:
             raise _OutOfTime
-        if not fuzz_programs.runs_on_cpu(program):
+        if not fuzzing.runs_on_cpu(program):
             counts["rejected"] += 1
             reject()
         counts["tried"] += 1
@@ -106,7 +106,7 @@ def run_worker(programs: int, seed: int, max_ops: int, progress_every: int, feat
             continue
         fails = lambda p: _failure(p, features) == key  # noqa: E731  (the same class, not any failure)
         if fails(program):
-            small = fuzz_programs.minimise(program, fails)
+            small = fuzzing.minimise(program, fails)
             minimised.append({"kind": kind, "class": key, "program": repr(small), "message": _message(small, features)})
         else:  # fails only after the programs before it: kept whole, with what it said then
             minimised.append({"kind": kind, "class": key, "program": repr(program), "message": "fails only after "

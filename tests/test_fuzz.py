@@ -24,7 +24,7 @@ def test_random_programs_match_cpu_in_every_mode():
               suppress_health_check=list(HealthCheck), print_blob=True)
     @given(fuzz_programs.programs())
     def program_matches_cpu(program):
-        assume(fuzz_programs.runs_on_cpu(program))
+        assume(fuzzing.runs_on_cpu(program))
         fuzzing.check(program)
 
     program_matches_cpu()
@@ -69,7 +69,7 @@ def _area_programs_match_cpu(features: fuzzing.Features) -> None:
               suppress_health_check=list(HealthCheck), print_blob=True)
     @given(fuzz_programs.programs(features=features))
     def program_matches_cpu(program):
-        assume(fuzz_programs.runs_on_cpu(program))
+        assume(fuzzing.runs_on_cpu(program))
         fuzzing.check(program, features=features)
 
     program_matches_cpu()

@@ -1,5 +1,5 @@
 """The differential fuzzer's program generator: `programs()`, a Hypothesis strategy that draws a
-`fuzzing.Program`, and `minimise()`, which shrinks a failing one for the long run (scripts/fuzz.py).
+`fuzzing.Program` (`fuzzing.minimise()` shrinks a failing one for the long run, scripts/fuzz.py).
 
 The generator builds a program op by op on real CPU tensors: an op spec whose line raises on the CPU
 is drawn again, so the programs it returns run on the CPU (shape errors, dtype promotion errors and
@@ -10,18 +10,16 @@ program needs none of it: the regression tests write their programs out by hand.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from hypothesis import strategies as st
 
-from tilewise.testing.fuzzing import BASELINE, DTYPES, _NAME, Features, Program, _namespace, make_inputs, reference
+from tilewise.testing.fuzzing import BASELINE, DTYPES, _NAME, Features, Program, _namespace, make_inputs
 
 LOW_PRECISION = ("bfloat16", "float16")
 # Sizes that matter: 1 (broadcast), 0 (empty), and either side of one 128-partition tile.
 SIZES = (1, 2, 3, 5, 8, 127, 128, 129, 0, 4, 16)
 MAX_NUMEL = 40_000
-_TARGET = re.compile(r"(?:^|; )(v\d+) =")  # the names a line's statements define
 
 
 class _Builder:
@@ -501,52 +499,3 @@ def programs(draw, max_ops: int = 8, features: Features = BASELINE) -> Program:
     chosen = [n for n in computed[:-1] if draw(st.integers(0, 2)) == 0]
     b.program.outputs = chosen + [computed[-1]]
     return b.program
-
-
-def runs_on_cpu(program: Program) -> bool:
-    """Whether the whole program, backward included, runs on the CPU in every iteration (the
-    generator checks each line forward only, on one set of inputs: autograd may still refuse a
-    backward through an in-place-modified value, and a data-dependent branch may take a path
-    another iteration's inputs make invalid)."""
-    try:
-        reference(program)
-    except Exception:
-        return False
-    return True
-
-
-def minimise(program: Program, fails) -> Program:
-    """Drop lines and outputs while `fails(program)` stays true (for the long fuzz run; Hypothesis
-    shrinks failures of the CI test itself)."""
-    changed = True
-    while changed:
-        changed = False
-        for index in reversed(range(len(program.lines))):
-            candidate = Program(program.inputs, program.lines[:index] + program.lines[index + 1:], program.outputs)
-            if _valid(candidate) and fails(candidate):
-                program, changed = candidate, True
-        for name in list(program.outputs):
-            if len(program.outputs) > 1:
-                candidate = Program(program.inputs, program.lines, [o for o in program.outputs if o != name])
-                if _valid(candidate) and fails(candidate):
-                    program, changed = candidate, True
-    return _drop_unused_inputs(program)
-
-
-def _drop_unused_inputs(program: Program) -> Program:
-    used = sorted({int(n[1:]) for line in program.lines for n in _NAME.findall(line) if n.startswith("x")}
-                  | {int(n[1:]) for n in program.outputs if n.startswith("x")})
-    rename = {f"x{old}": f"x{new}" for new, old in enumerate(used)}
-    sub = lambda text: _NAME.sub(lambda m: rename.get(m.group(1), m.group(1)), text)  # noqa: E731
-    return Program([program.inputs[i] for i in used], [sub(line) for line in program.lines],
-                   [sub(name) for name in program.outputs])
-
-
-def _valid(program: Program) -> bool:
-    defined = {f"x{i}" for i in range(len(program.inputs))}
-    for line in program.lines:
-        targets = set(_TARGET.findall(line))
-        if not set(_NAME.findall(line)) - targets <= defined:
-            return False
-        defined |= targets
-    return set(program.outputs) <= defined and runs_on_cpu(program)

@@ -8,7 +8,8 @@ inputs, `v0, v1, ...` results), plus which values it returns. `print(program)` s
 `check()` runs the program `ITERATIONS` times per mode inside one `tilewise.engine(threshold=2)`
 block, with new input values each time, so regions warm up, compile and are then served from the
 cache; every output, its dtype and shape, every input gradient and every input's final value
-(written in place, or given new `.data`) must equal the CPU's. Random programs come from
+(written in place, or given new `.data`) must equal the CPU's. `runs_on_cpu()` says whether a
+program runs on the CPU at all, `minimise()` shrinks a failing one. Random programs come from
 fuzz_programs.py; the interrupts and poisoned buffers `check()` puts into the engine, from
 fuzz_interrupts.py.
 
@@ -38,6 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=4e-2, atol=4e-2),
              torch.float16: dict(rtol=5e-3, atol=5e-3)}
 _NAME = re.compile(r"\b([xv]\d+)\b")
+_TARGET = re.compile(r"(?:^|; )(v\d+) =")  # the names a line's statements define
 
 
 @dataclass(frozen=True)
@@ -359,3 +361,52 @@ def _as_accurate(got: torch.Tensor, want: torch.Tensor, exact) -> bool:
     got_error = (got.double() - exact.double()).abs().max().item()
     cpu_error = (want.double() - exact.double()).abs().max().item()
     return got_error <= 2 * cpu_error + TOLERANCE[want.dtype]["atol"]
+
+
+def runs_on_cpu(program: Program) -> bool:
+    """Whether the whole program, backward included, runs on the CPU in every iteration (the
+    generator checks each line forward only, on one set of inputs: autograd may still refuse a
+    backward through an in-place-modified value, and a data-dependent branch may take a path
+    another iteration's inputs make invalid)."""
+    try:
+        reference(program)
+    except Exception:
+        return False
+    return True
+
+
+def minimise(program: Program, fails) -> Program:
+    """Drop lines and outputs while `fails(program)` stays true (for the long fuzz run; Hypothesis
+    shrinks failures of the CI test itself)."""
+    changed = True
+    while changed:
+        changed = False
+        for index in reversed(range(len(program.lines))):
+            candidate = Program(program.inputs, program.lines[:index] + program.lines[index + 1:], program.outputs)
+            if _valid(candidate) and fails(candidate):
+                program, changed = candidate, True
+        for name in list(program.outputs):
+            if len(program.outputs) > 1:
+                candidate = Program(program.inputs, program.lines, [o for o in program.outputs if o != name])
+                if _valid(candidate) and fails(candidate):
+                    program, changed = candidate, True
+    return _drop_unused_inputs(program)
+
+
+def _drop_unused_inputs(program: Program) -> Program:
+    used = sorted({int(n[1:]) for line in program.lines for n in _NAME.findall(line) if n.startswith("x")}
+                  | {int(n[1:]) for n in program.outputs if n.startswith("x")})
+    rename = {f"x{old}": f"x{new}" for new, old in enumerate(used)}
+    sub = lambda text: _NAME.sub(lambda m: rename.get(m.group(1), m.group(1)), text)  # noqa: E731
+    return Program([program.inputs[i] for i in used], [sub(line) for line in program.lines],
+                   [sub(name) for name in program.outputs])
+
+
+def _valid(program: Program) -> bool:
+    defined = {f"x{i}" for i in range(len(program.inputs))}
+    for line in program.lines:
+        targets = set(_TARGET.findall(line))
+        if not set(_NAME.findall(line)) - targets <= defined:
+            return False
+        defined |= targets
+    return set(program.outputs) <= defined and runs_on_cpu(program)
